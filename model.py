@@ -1,0 +1,251 @@
+"""model.py: the Llama-style decoder BOOST trains, as a dense model or with low-rank bottlenecks.
+
+BOOST (arXiv 2512.12131) section 2 / CoLA (arXiv 2502.10940): every projection of a decoder block
+(q, k, v, o, gate, up, down) becomes a bottleneck
+
+    y = B · σ(A · x)        A: (r, d_in) "down",   B: (d_out, r) "up"
+
+with σ = SiLU (`arch=cola`) or the identity (`arch=svd`, a plain factorised W = B·A). `arch=full` is
+the dense Llama baseline. Embedding and LM head stay dense. This file is the single-device
+reference: parallel.py shards exactly these weights and is tested against this forward pass.
+
+Notation in shape comments: b batch, s sequence, d n_embd, r bottleneck rank, h heads, hd head dim.
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ARCHS = ("full", "svd", "cola")
+
+
+@dataclass
+class Config:
+    arch: str = "cola"       # full | svd | cola
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 0       # 0: same as n_head (no grouped-query attention)
+    n_embd: int = 128
+    mlp_width: int = 0       # d_ff; 0: 8/3 * n_embd rounded up to a multiple of 32
+    attn_rank: int = 0       # r of q, k, v, o; 0: n_embd // 4
+    mlp_rank: int = 0        # r of gate, up, down; 0: n_embd // 4
+    block_size: int = 128    # the longest sequence (RoPE table size)
+    vocab_size: int = 320    # set from the tokeniser by train.py (padded to a multiple of 64)
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        """Fill the 0 = automatic fields, then reject shapes that cannot be built (ValueError)."""
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.mlp_width = self.mlp_width or 32 * math.ceil(8 * self.n_embd / 3 / 32)
+        self.attn_rank = self.attn_rank or max(1, self.n_embd // 4)
+        self.mlp_rank = self.mlp_rank or max(1, self.n_embd // 4)
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_width", "block_size",
+                     "vocab_size", "attn_rank", "mlp_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim n_embd/n_head={self.head_dim} must be even for RoPE")
+        if self.arch != "full":
+            for name in ("attn_rank", "mlp_rank"):
+                if getattr(self, name) > self.n_embd:
+                    raise ValueError(f"{name}={getattr(self, name)} is larger than the width "
+                                     f"n_embd={self.n_embd}: a bottleneck must be narrower")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_dim(self):
+        return self.n_kv_head * self.head_dim
+
+    @property
+    def lowrank(self):
+        return self.arch != "full"
+
+    def shape(self):
+        """The fields that fix the weights' shapes (a checkpoint must match them)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def latent_act(arch):
+    """σ on the r-dimensional latent: SiLU for CoLA, identity for svd."""
+    return F.silu if arch == "cola" else (lambda z: z)
+
+
+def cola_std(d_in, d_out, r):
+    """CoLA init: A and B ~ N(0, std²) so B·A has the variance 1/(d_in + d_out) of a dense layer."""
+    return r ** -0.25 * (d_in + d_out) ** -0.25
+
+
+class Bottleneck(nn.Module):
+    """y = B·σ(A·x), weights in nn.Linear layout: A.weight (r, d_in), B.weight (d_out, r)."""
+
+    def __init__(self, d_in, d_out, r, arch):
+        super().__init__()
+        self.A = nn.Linear(d_in, r, bias=False)
+        self.B = nn.Linear(r, d_out, bias=False)
+        self.act = latent_act(arch)
+        std = cola_std(d_in, d_out, r)
+        nn.init.normal_(self.A.weight, std=std)
+        nn.init.normal_(self.B.weight, std=std)
+
+    def forward(self, x):
+        z = self.act(self.A(x))   # (b, s, r)
+        return self.B(z)          # (b, s, d_out)
+
+
+def projection(cfg, d_in, d_out, r):
+    """A dense nn.Linear for arch=full, otherwise a rank-r bottleneck."""
+    if cfg.lowrank:
+        return Bottleneck(d_in, d_out, r, cfg.arch)
+    layer = nn.Linear(d_in, d_out, bias=False)
+    nn.init.normal_(layer.weight, std=(d_in + d_out) ** -0.5)
+    return layer
+
+
+def rope_table(cfg):
+    """cos and sin of RoPE, each (block_size, hd/2)."""
+    inv_freq = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.block_size).float(), inv_freq)  # (block_size, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (i, i + hd/2) of x (b, h, s, hd) by the position's angles (rotate-half form)."""
+    s, half = x.shape[2], x.shape[3] // 2
+    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)  # (s, hd/2)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def causal_attention(q, k, v, n_head, n_kv_head, cos, sin):
+    """Multi-head causal attention with RoPE and GQA on projected q (b, s, h·hd), k, v (b, s, kvh·hd).
+
+    Head counts are arguments so tensor-parallel layouts call it with their local heads."""
+    b, s, _ = q.shape
+    hd = q.shape[-1] // n_head
+    q = apply_rope(q.view(b, s, n_head, hd).transpose(1, 2), cos, sin)     # (b, h, s, hd)
+    k = apply_rope(k.view(b, s, n_kv_head, hd).transpose(1, 2), cos, sin)  # (b, kvh, s, hd)
+    v = v.view(b, s, n_kv_head, hd).transpose(1, 2)                        # (b, kvh, s, hd)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_head != n_kv_head)
+    return y.transpose(1, 2).reshape(b, s, n_head * hd)                    # (b, s, h·hd)
+
+
+def gated_product(arch, gate, up):
+    """SwiGLU's silu(gate)·up for full and svd; CoLA's bottlenecks already carry σ, so gate·up."""
+    return (gate if arch == "cola" else F.silu(gate)) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, r = cfg.n_embd, cfg.attn_rank
+        self.cfg = cfg
+        self.q = projection(cfg, d, d, r)
+        self.k = projection(cfg, d, cfg.kv_dim, r)
+        self.v = projection(cfg, d, cfg.kv_dim, r)
+        self.o = projection(cfg, d, d, r)
+
+    def forward(self, x, cos, sin):
+        y = causal_attention(self.q(x), self.k(x), self.v(x),  # (b, s, d), (b, s, kv_dim) x2
+                             self.cfg.n_head, self.cfg.n_kv_head, cos, sin)
+        return self.o(y)                                       # (b, s, d)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, f, r = cfg.n_embd, cfg.mlp_width, cfg.mlp_rank
+        self.arch = cfg.arch
+        self.gate = projection(cfg, d, f, r)
+        self.up = projection(cfg, d, f, r)
+        self.down = projection(cfg, f, d, r)
+
+    def forward(self, x):
+        h = gated_product(self.arch, self.gate(x), self.up(x))  # (b, s, d_ff)
+        return self.down(h)                                     # (b, s, d)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (b, s, d)
+        return x + self.mlp(self.mlp_norm(x))           # (b, s, d)
+
+
+class Llama(nn.Module):
+    """Token embedding, n_layer blocks, final RMSNorm, untied LM head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+        nn.init.normal_(self.lm_head.weight, std=0.02)
+        cos, sin = rope_table(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, idx, targets=None):
+        """idx (b, s) token ids -> (logits, loss); without targets only the last position's logits."""
+        if idx.shape[1] > self.cfg.block_size:
+            raise ValueError(f"sequence of {idx.shape[1]} is longer than block_size={self.cfg.block_size}")
+        x = self.tok_emb(idx)                            # (b, s, d)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)   # (b, s, d)
+        x = self.norm(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None     # (b, 1, V)
+        logits = self.lm_head(x)                         # (b, s, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len=None):
+        """Training FLOPs per token, counted from the actual matrices (A and B separately).
+
+        6 per weight of every matmul (2 forward, 4 backward; the embedding is a lookup, norms are
+        not matmuls) plus attention scores and values, 12·n_layer·d·s (PaLM's count, causal mask
+        not discounted)."""
+        s = seq_len or self.cfg.block_size
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul + 12 * self.cfg.n_layer * self.cfg.n_embd * s
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens after idx (b, s), nanoGPT style."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            logits = logits[:, -1, :].float() / max(temperature, 1e-6)   # (b, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = -float("inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (b, 1)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+def estimate_mfu(flops_per_token, tokens_per_s, peak_tflops):
+    """Model FLOPs utilisation against a peak you name (TFLOP/s); None when no peak is given."""
+    return flops_per_token * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None

@@ -1,0 +1,401 @@
+"""parallel.py: process groups, TP collectives, the three tensor-parallel layouts, the comm ledger.
+
+BOOST (arXiv 2512.12131) sections 2-4 and 6. Notation: b batch, s sequence, d n_embd, f d_ff,
+r bottleneck rank, t tp degree. Volumes are elements per token unless a docstring says otherwise.
+
+  megatron  dense model. Column-parallel q/k/v and gate/up (heads and d_ff split), row-parallel o and
+            down, replicated residual. Forward per layer: all-reduce d (attn) + d (MLP).
+  vanilla   low-rank model, each A/B pair as its own Megatron MLP: A column-parallel over r, σ local,
+            B row-parallel + all-reduce of the full output; replicated residual, all heads on every
+            rank. Forward per layer: 3d (q, k, v) + d (o) + 2f (gate, up) + d (down).
+  btp       bottleneck-aware TP: the residual stream sharded along d. Every bottleneck is a
+            row-parallel A (partial r-vector), one all-reduce of the latent, σ, column-parallel B.
+            RMSNorm is online (the sum of squares rides in the q/k/v and gate/up all-reduces), the
+            down-projections sharing an input are one GEMM. Forward per layer:
+            (3r + 1) + r + (2r + 1) + r; backward 3r + r + 2r + r.
+
+Every layout starts from the single-device Llama's weights (built from one seed, then sharded by the
+`Spec` of each parameter) and is tested against it: same loss, same gradients.
+"""
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from model import causal_attention, gated_product, latent_act
+
+LAYOUTS = ("btp", "vanilla", "megatron")
+
+
+# ------------------------------------------------------------------------------------ the ledger
+
+class Ledger:
+    """Every collective records (op, group, phase) -> elements; train.py and bench.py read it."""
+
+    def __init__(self):
+        self.names, self.counts = {}, defaultdict(int)
+
+    def name(self, group, name):
+        self.names[id(group)] = name
+
+    def record(self, op, group, numel, phase):
+        self.counts[(op, self.names.get(id(group), "?"), phase)] += numel
+
+    def reset(self):
+        self.counts.clear()
+
+    def total(self, group=None, phase=None):
+        return sum(n for (op, g, p), n in self.counts.items()
+                   if (group is None or g == group) and (phase is None or p == phase))
+
+
+LEDGER = Ledger()
+
+
+def _all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
+    x = x.contiguous()
+    LEDGER.record("all_reduce", group, x.numel(), phase)
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_gather_last(x, group, phase):
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    out = torch.cat(parts, dim=-1)
+    LEDGER.record("all_gather", group, out.numel(), phase)
+    return out
+
+
+# ------------------------------------------------------------------------------ the collectives
+
+class Copy(torch.autograd.Function):
+    """Megatron's f. Forward: identity. Backward: all-reduce of the gradient over the group.
+
+    Enters a region whose ranks use the same input with different weight shards (a column-parallel
+    linear): vanilla/megatron before A or W (d, f per token), btp before B (the latent, r)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group, "bwd"), None
+
+
+class Reduce(torch.autograd.Function):
+    """Megatron's g. Forward: all-reduce (sum) over the group. Backward: identity.
+
+    Leaves a row-parallel product, whose ranks each hold a partial sum: megatron after o and down
+    (d), vanilla after every B (d_out), btp after every A (the latent r, plus 1 norm statistic)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Gather(torch.autograd.Function):
+    """Forward: all-gather of the last dim (b, s, d/t) -> (b, s, d), b·s·d elements.
+    Backward: this rank's slice of the gradient (the gradient after it is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.width = group, x.shape[-1]
+        return _all_gather_last(x, group, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        i = dist.get_rank(ctx.group)
+        return grad[..., i * ctx.width:(i + 1) * ctx.width].contiguous(), None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary (N, V/t), targets (N,) -> loss (N,).
+
+    Forward: three all-reduces of N elements (max, target logit, sum of exponentials).
+    Backward: local, softmax minus one-hot on this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        logits = logits.float()
+        v_local = logits.shape[-1]
+        start = dist.get_rank(group) * v_local
+        m = _all_reduce(logits.max(dim=-1).values, group, "fwd", op=dist.ReduceOp.MAX)  # (N,)
+        shifted = logits - m.unsqueeze(-1)                                             # (N, V/t)
+        outside = (target < start) | (target >= start + v_local)
+        local_t = (target - start).masked_fill(outside, 0)
+        rows = torch.arange(len(target), device=logits.device)
+        picked = _all_reduce(shifted[rows, local_t].masked_fill(outside, 0.0), group, "fwd")
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group, "fwd")                            # (N,)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_t)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, outside, local_t = ctx.saved_tensors
+        rows = torch.arange(len(local_t), device=grad.device)
+        g = softmax.clone()
+        g[rows, local_t] -= (~outside).float()
+        return g * grad.unsqueeze(-1), None, None
+
+
+# --------------------------------------------------------------------------- process groups
+
+@dataclass
+class TP:
+    """This process's tensor-parallel group: `tp_rank` of `size`."""
+    group: object
+    tp_rank: int
+    size: int
+
+
+def init_mesh(dp, tp, device_type, timeout_s):
+    """The (dp, tp) DeviceMesh over the torchrun world, TP innermost (TP peers are adjacent ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    LEDGER.name(mesh.get_group("tp"), "tp")
+    LEDGER.name(mesh.get_group("dp"), "dp")
+    return mesh
+
+
+def check_divisible(cfg, tp, layout):
+    """A clear ValueError when the TP degree cannot split this model under this layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"tp_mode={layout} is not one of {', '.join(LAYOUTS)}")
+    if layout == "megatron" and cfg.lowrank:
+        raise ValueError(f"tp_mode=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
+    if layout != "megatron" and not cfg.lowrank:
+        raise ValueError(f"tp_mode={layout} splits bottlenecks; arch=full uses tp_mode=megatron")
+    splits = {"vocab_size": cfg.vocab_size}
+    if layout != "vanilla":
+        splits.update(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, mlp_width=cfg.mlp_width)
+    else:
+        splits.update(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank)
+    for name, value in splits.items():
+        if value % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={value} (tp_mode={layout})")
+
+
+# -------------------------------------------------------------------------- sharded modules
+
+@dataclass
+class Spec:
+    """How a local parameter derives from the full model's: the full parameters `pieces`, each
+    split into t chunks along `dim` (None: replicated), this rank's chunks concatenated on dim 0
+    (`rows` of each in the local parameter)."""
+    pieces: list
+    dim: object
+    rows: list
+
+
+class Sharded(nn.Module):
+    def __init__(self, tp, full):
+        super().__init__()
+        self.tp, self._full, self.specs = tp, full, {}
+
+    def shard(self, name, pieces, dim):
+        parts = [self._full[p] if dim is None else self._full[p].chunk(self.tp.size, dim)[self.tp.tp_rank]
+                 for p in pieces]
+        self.register_parameter(name, nn.Parameter(torch.cat(parts, 0).clone()))
+        self.specs[name] = Spec(pieces, dim, [part.shape[0] for part in parts])
+
+
+class BTPBlock(Sharded):
+    """One decoder layer under bottleneck-aware TP; the residual stream x is (b, s, d/t)."""
+
+    def __init__(self, cfg, tp, full, p):
+        super().__init__(tp, full)
+        self.cfg, self.act = cfg, latent_act(cfg.arch)
+        self.shard("attn_norm", [p + "attn_norm.weight"], 0)
+        self.shard("A_qkv", [p + f"attn.{n}.A.weight" for n in "qkv"], 1)  # (3r, d/t): one GEMM
+        for n in "qkv":
+            self.shard(f"B_{n}", [p + f"attn.{n}.B.weight"], 0)            # (heads/t·hd, r)
+        self.shard("A_o", [p + "attn.o.A.weight"], 1)                      # (r, d/t)
+        self.shard("B_o", [p + "attn.o.B.weight"], 0)                      # (d/t, r)
+        self.shard("mlp_norm", [p + "mlp_norm.weight"], 0)
+        self.shard("A_gu", [p + "mlp.gate.A.weight", p + "mlp.up.A.weight"], 1)  # (2r, d/t)
+        self.shard("B_gate", [p + "mlp.gate.B.weight"], 0)                 # (f/t, r)
+        self.shard("B_up", [p + "mlp.up.B.weight"], 0)
+        self.shard("A_down", [p + "mlp.down.A.weight"], 1)                 # (r, f/t)
+        self.shard("B_down", [p + "mlp.down.B.weight"], 0)                 # (d/t, r)
+
+    def norm_down(self, x, gamma, A):
+        """Online RMSNorm + grouped down-projection: one all-reduce of [H | S], then σ."""
+        H, S = kernels.norm_down(x, gamma, A)                      # (b, s, n), (b, s, 1)
+        HS = Reduce.apply(torch.cat([H.float(), S], -1), self.tp.group)  # (b, s, n + 1)
+        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:] / self.cfg.n_embd + self.cfg.norm_eps)
+        return Copy.apply(self.act(z.to(x.dtype)), self.tp.group)  # (b, s, n), replicated
+
+    def bottleneck(self, y, A, B):
+        """Row-parallel A, all-reduce of the r-vector, σ, column-parallel B."""
+        z = Reduce.apply(y @ A.t(), self.tp.group)                 # (b, s, r)
+        return Copy.apply(self.act(z), self.tp.group) @ B.t()      # (b, s, d_out/t)
+
+    def forward(self, x, cos, sin):
+        cfg, t, r = self.cfg, self.tp.size, self.cfg.attn_rank
+        z = self.norm_down(x, self.attn_norm, self.A_qkv)          # (b, s, 3r)
+        q, k, v = kernels.grouped_up(list(z.split(r, -1)), [self.B_q, self.B_k, self.B_v])
+        y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
+        x = x + self.bottleneck(y, self.A_o, self.B_o)             # (b, s, d/t)
+        z = self.norm_down(x, self.mlp_norm, self.A_gu)            # (b, s, 2r)
+        gate, up = kernels.grouped_up(list(z.split(cfg.mlp_rank, -1)), [self.B_gate, self.B_up])
+        h = gated_product(cfg.arch, gate, up)                      # (b, s, f/t)
+        return x + self.bottleneck(h, self.A_down, self.B_down)    # (b, s, d/t)
+
+
+class VanillaBlock(Sharded):
+    """One layer under vanilla low-rank TP: replicated x (b, s, d), each A/B pair a Megatron MLP."""
+
+    def __init__(self, cfg, tp, full, p):
+        super().__init__(tp, full)
+        self.cfg, self.act = cfg, latent_act(cfg.arch)
+        self.shard("attn_norm", [p + "attn_norm.weight"], None)
+        self.shard("mlp_norm", [p + "mlp_norm.weight"], None)
+        for name in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"):
+            key = name.replace(".", "_")
+            self.shard(f"{key}_A", [p + name + ".A.weight"], 0)    # (r/t, d_in)
+            self.shard(f"{key}_B", [p + name + ".B.weight"], 1)    # (d_out, r/t)
+
+    def proj(self, x, key):
+        """Copy, column-parallel A (r/t), σ, row-parallel B, all-reduce of d_out."""
+        z = self.act(Copy.apply(x, self.tp.group) @ getattr(self, key + "_A").t())  # (b, s, r/t)
+        return Reduce.apply(z @ getattr(self, key + "_B").t(), self.tp.group)      # (b, s, d_out)
+
+    def forward(self, x, cos, sin):
+        cfg = self.cfg
+        h = F.rms_norm(x, (cfg.n_embd,), self.attn_norm, cfg.norm_eps)             # (b, s, d)
+        y = causal_attention(self.proj(h, "attn_q"), self.proj(h, "attn_k"), self.proj(h, "attn_v"),
+                             cfg.n_head, cfg.n_kv_head, cos, sin)                   # all heads
+        x = x + self.proj(y, "attn_o")
+        h = F.rms_norm(x, (cfg.n_embd,), self.mlp_norm, cfg.norm_eps)
+        g = gated_product(cfg.arch, self.proj(h, "mlp_gate"), self.proj(h, "mlp_up"))  # (b, s, f)
+        return x + self.proj(g, "mlp_down")                                         # (b, s, d)
+
+
+class MegatronBlock(Sharded):
+    """One dense layer under Megatron TP: replicated x (b, s, d), heads and d_ff split."""
+
+    def __init__(self, cfg, tp, full, p):
+        super().__init__(tp, full)
+        self.cfg = cfg
+        self.shard("attn_norm", [p + "attn_norm.weight"], None)
+        self.shard("mlp_norm", [p + "mlp_norm.weight"], None)
+        for n in ("q", "k", "v"):
+            self.shard(f"W_{n}", [p + f"attn.{n}.weight"], 0)      # (heads/t·hd, d)
+        self.shard("W_o", [p + "attn.o.weight"], 1)                 # (d, d/t)
+        self.shard("W_gate", [p + "mlp.gate.weight"], 0)            # (f/t, d)
+        self.shard("W_up", [p + "mlp.up.weight"], 0)
+        self.shard("W_down", [p + "mlp.down.weight"], 1)            # (d, f/t)
+
+    def forward(self, x, cos, sin):
+        cfg, t, g = self.cfg, self.tp.size, self.tp.group
+        h = Copy.apply(F.rms_norm(x, (cfg.n_embd,), self.attn_norm, cfg.norm_eps), g)  # (b, s, d)
+        y = causal_attention(h @ self.W_q.t(), h @ self.W_k.t(), h @ self.W_v.t(),
+                             cfg.n_head // t, cfg.n_kv_head // t, cos, sin)           # (b, s, d/t)
+        x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
+        h = Copy.apply(F.rms_norm(x, (cfg.n_embd,), self.mlp_norm, cfg.norm_eps), g)
+        a = gated_product(cfg.arch, h @ self.W_gate.t(), h @ self.W_up.t())           # (b, s, f/t)
+        return x + Reduce.apply(a @ self.W_down.t(), g)                               # (b, s, d)
+
+
+BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
+
+
+class TPLlama(Sharded):
+    """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss).
+
+    Logits come back vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without."""
+
+    def __init__(self, model, tp, layout):
+        check_divisible(model.cfg, tp.size, layout)
+        full = {k: v.detach() for k, v in model.state_dict().items()}
+        super().__init__(tp, full)
+        self.cfg, self.layout = model.cfg, layout
+        self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
+        self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.")
+                                    for i in range(model.cfg.n_layer))
+        self.shard("norm", ["norm.weight"], None)
+        self.shard("lm_head", ["lm_head.weight"], 0)                               # (V/t, d)
+        self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+        for m in self.modules():
+            m._full = None  # the full weights are not kept
+
+    def forward(self, idx, targets=None):
+        g = self.tp.group
+        x = F.embedding(idx, self.tok_emb)                          # (b, s, d/t) btp, else (b, s, d)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.layout == "btp":
+            x = Gather.apply(x, g)                                  # (b, s, d)
+        x = Copy.apply(F.rms_norm(x, (self.cfg.n_embd,), self.norm, self.cfg.norm_eps), g)
+        if targets is None:
+            return _all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
+        logits = x @ self.lm_head.t()                               # (b, s, V/t)
+        loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
+        return logits, loss
+
+    def named_specs(self):
+        """(local parameter name, Spec) for every parameter."""
+        for prefix, m in self.named_modules():
+            for name, spec in getattr(m, "specs", {}).items():
+                yield (f"{prefix}.{name}" if prefix else name), spec
+
+    def full_tensors(self, grads=False):
+        """The single-device model's state (or gradients), gathered from the TP ranks: {name: tensor}."""
+        params, out = dict(self.named_parameters()), {}
+        for name, spec in self.named_specs():
+            local = params[name].grad if grads else params[name].detach()
+            if spec.dim is None:
+                shards = [local] * self.tp.size
+            else:
+                shards = [torch.empty_like(local) for _ in range(self.tp.size)]
+                dist.all_gather(shards, local.contiguous(), group=self.tp.group)
+            for p, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
+                out[p] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
+        return out
+
+    def grad_norm_sq(self):
+        """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""
+        params = dict(self.named_parameters())
+        sharded = replicated = torch.zeros((), dtype=torch.float64, device=self.norm.device)
+        for name, spec in self.named_specs():
+            g = params[name].grad
+            if g is None:
+                continue
+            sq = g.double().pow(2).sum()
+            if spec.dim is None:
+                replicated = replicated + sq
+            else:
+                sharded = sharded + sq
+        dist.all_reduce(sharded, group=self.tp.group)
+        return sharded + replicated
+
+
+def clip_grad_norm(model, max_norm):
+    """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards; returns the norm."""
+    tp_model = getattr(model, "module", model)
+    if isinstance(tp_model, TPLlama):
+        norm = tp_model.grad_norm_sq().sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in tp_model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+    return torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm)

@@ -1,0 +1,338 @@
+"""test_boost.py: the tests of boost (pytest), on CPU, in float32.
+
+Model shapes and counts, the data pipeline, the training loop (single process and torchrun data
+parallel), resume, and every bad input's one-line error. Run: .venv/bin/python -m pytest -q
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+import parallel
+import train
+from model import Bottleneck, Config, Llama
+
+ROOT = Path(__file__).resolve().parent
+SHARED_CACHE = ROOT.parent / "shared" / "tiktoken_cache"
+if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_CACHE.is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_CACHE)
+
+TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32",
+        "--batch_size=4", "--eval_iters=2", "--sample_tokens=0", "--warmup_iters=2", "--log_interval=1"]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One prepared copy of the embedded corpus for the whole session."""
+    d = tmp_path_factory.mktemp("data")
+    data.prepare(data.EMBEDDED, "bytes", d, log=lambda *a: None)
+    return d
+
+
+def run_train(out_dir, data_dir, *args):
+    """train.main in this process; returns the metrics.jsonl records."""
+    train.main([f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, *args])
+    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+
+
+def losses(records):
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def torchrun(nproc, *args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res
+
+
+# ---------------------------------------------------------------------------- model
+
+def expected_params(cfg):
+    """Hand formula: parameters of the model, per arch."""
+    d, kv, f, V, L = cfg.n_embd, cfg.kv_dim, cfg.mlp_width, cfg.vocab_size, cfg.n_layer
+    ra, rm = cfg.attn_rank, cfg.mlp_rank
+    if cfg.arch == "full":
+        layer = 2 * d * d + 2 * d * kv + 3 * d * f
+    else:
+        layer = (ra * d + d * ra) * 2 + (ra * d + kv * ra) * 2 + (rm * d + f * rm) * 2 + (rm * f + d * rm)
+    return L * (layer + 2 * d) + 2 * V * d + d
+
+
+@pytest.mark.parametrize("arch", ["full", "svd", "cola"])
+@pytest.mark.parametrize("shape", [dict(n_embd=64, n_head=4, n_kv_head=2), dict(n_embd=96, n_head=6, attn_rank=16, mlp_rank=40)])
+def test_param_and_flop_counts(arch, shape):
+    cfg = Config(arch=arch, n_layer=3, vocab_size=128, block_size=48, **shape)
+    m = Llama(cfg)
+    n = expected_params(cfg)
+    assert m.num_params() == n
+    matmul = n - cfg.vocab_size * cfg.n_embd - (2 * cfg.n_layer + 1) * cfg.n_embd  # no embedding, no norms
+    assert m.flops_per_token(48) == 6 * matmul + 12 * 3 * cfg.n_embd * 48
+
+
+def test_cola_parameters_about_two_and_a_half_times_fewer():
+    full, cola = (Llama(Config(arch=a, n_layer=1, n_embd=512, n_head=8, vocab_size=64)) for a in ("full", "cola"))
+    per_layer = lambda m: sum(p.numel() for p in m.layers.parameters())
+    assert 2.3 < per_layer(full) / per_layer(cola) < 2.7   # boost-notes §1: 12·d² vs ≈4.8·d²
+
+
+def test_cola_init_std():
+    b = Bottleneck(1024, 2048, 256, "cola")
+    expected = 256 ** -0.25 * 3072 ** -0.25
+    for w in (b.A.weight, b.B.weight):
+        assert abs(w.std().item() - expected) / expected < 0.02
+    product_var = (b.B.weight @ b.A.weight).var().item()
+    assert abs(product_var * 3072 - 1) < 0.05
+
+
+def test_svd_layer_equals_dense_product():
+    b = Bottleneck(24, 40, 8, "svd")
+    dense = nn.Linear(24, 40, bias=False)
+    dense.weight.data = b.B.weight @ b.A.weight
+    x = torch.randn(3, 5, 24)
+    torch.testing.assert_close(b(x), dense(x))
+    cola = Bottleneck(24, 40, 8, "cola")
+    torch.testing.assert_close(cola(x), torch.nn.functional.silu(x @ cola.A.weight.T) @ cola.B.weight.T)
+
+
+@pytest.mark.parametrize("arch", ["full", "svd", "cola"])
+def test_causality(arch):
+    torch.manual_seed(0)
+    m = Llama(Config(arch=arch, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, vocab_size=64, block_size=16))
+    idx = torch.randint(0, 64, (2, 16))
+    logits, _ = m(idx, idx)
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 64
+    logits2, _ = m(changed, changed)
+    torch.testing.assert_close(logits[:, :10], logits2[:, :10])
+    assert not torch.allclose(logits[:, 10:], logits2[:, 10:])
+
+
+def test_generate_extends():
+    m = Llama(Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=8))
+    out = m.generate(torch.zeros(1, 3, dtype=torch.long), 12, top_k=5)
+    assert out.shape == (1, 15) and out.max() < 64
+
+
+# ---------------------------------------------------------------------------- data
+
+def test_bytes_tokenizer_round_trip():
+    enc = data.get_tokenizer("bytes")
+    text = "héllo wörld\n\tdef f(x): return x ** 2  # ünïcode ✓"
+    ids = enc.encode_ordinary(text)
+    assert ids == list(text.encode("utf-8")) and enc.decode(ids) == text
+    assert enc.n_vocab == 257 and enc.eot_token == 256
+
+
+def test_gpt2_tokenizer_round_trip():
+    if "TIKTOKEN_CACHE_DIR" not in os.environ:
+        pytest.skip("no offline tiktoken cache (../shared/tiktoken_cache)")
+    enc = data.get_tokenizer("gpt2")
+    assert enc.encode("hello world") == [31373, 995] and enc.n_vocab == 50257
+    text = "BOOST trains low-rank LLMs.\n  Indented ünïcode."
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_prepare_reuses_and_reprepares(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta gamma " * 200)
+    (src / "b.bin").write_bytes(bytes(range(256)) * 4)  # not UTF-8: skipped
+    messages = []
+    out = data.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train_tokens"] + meta["val_tokens"] == 17 * 200 + 1 and meta["vocab_size"] == 257
+    assert len(messages) == 1
+    data.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    assert len(messages) == 1  # reused
+    (src / "a.txt").write_text("delta " * 300)
+    os.utime(src / "a.txt", ns=(1, 1))
+    data.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train_tokens"] + meta["val_tokens"] == 6 * 300 + 1 and "changed" in messages[1]
+
+
+def test_batches_deterministic_and_shared(data_dir):
+    folder = data.prepared_dir(data.EMBEDDED, "bytes", data_dir)
+    tokens = data.TokenFile(folder, "train", 16)
+    x, y = tokens.batch(7, "train", 3, 8, 0, 8)
+    assert x.shape == (8, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    x2, _ = tokens.batch(7, "train", 3, 8, 0, 8)
+    assert torch.equal(x, x2)
+    parts = [tokens.batch(7, "train", 3, 8, start, 2)[0] for start in (0, 2, 4, 6)]
+    assert torch.equal(torch.cat(parts), x)   # shares of the global batch tile it exactly
+    assert not torch.equal(tokens.batch(7, "train", 4, 8, 0, 8)[0], x)
+
+
+# ---------------------------------------------------------------------------- training
+
+def test_short_run_lowers_loss_below_unigram_entropy(tmp_path, data_dir):
+    records = run_train(tmp_path, data_dir, "--max_iters=60", "--eval_interval=60", "--learning_rate=1e-2")
+    entropy = data.unigram_entropy(data.prepared_dir(data.EMBEDDED, "bytes", data_dir))
+    assert records[-1]["val_loss"] < entropy < records[0]["val_loss"]
+    assert all({"iter", "loss", "lr", "ms", "tokens_per_s"} <= r.keys() for r in records[:-1])
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path, data_dir):
+    common = ["--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8", "--arch=svd"]
+    straight = losses(run_train(tmp_path / "a", data_dir, *common))
+    run_train(tmp_path / "b", data_dir, *common[1:], "--max_iters=4")
+    resumed = run_train(tmp_path / "b", data_dir, *common, "--init_from=resume")
+    assert len(straight) == 8
+    assert losses(resumed) == straight  # iterations 0-3 from the first run, 4-7 resumed: bit for bit
+
+
+def test_data_parallel_equals_single_process(tmp_path, data_dir):
+    common = [f"--data_dir={data_dir}", *TINY, "--max_iters=4", "--eval_interval=100",
+              "--gradient_accumulation_steps=4", "--batch_size=2"]
+    single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
+    torchrun(2, f"--out_dir={tmp_path / 'two'}", *common)
+    double = losses([json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")])
+    assert len(single) == 4
+    torch.testing.assert_close(torch.tensor(double), torch.tensor(single), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def expect_error(capsys, argv, *fragments):
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--max_iter=5"], ["unknown option --max_iter", "--max_iters"]),
+    (["--lerning_rate=1"], ["did you mean --learning_rate"]),
+    (["--n_layer=two"], ["--n_layer expects an integer", "'two'"]),
+    (["--compile=maybe"], ["--compile expects true or false"]),
+    (["max_iters=3"], ["expected --key=value"]),
+    (["--arch=dense"], ["--arch=dense is not one of full, svd, cola"]),
+    (["--attn_rank=200", "--n_embd=128"], ["attn_rank=200 is larger than the width n_embd=128"]),
+    (["--n_embd=100", "--n_head=3"], ["n_embd=100 is not divisible by n_head=3"]),
+    (["--n_head=4", "--n_kv_head=3"], ["n_head=4 is not divisible by n_kv_head=3"]),
+    (["--batch_size=0"], ["batch_size=0 must be at least 1"]),
+    (["--block_size=0"], ["block_size=0 must be at least 1"]),
+    (["--dataset=/no/such/corpus"], ["dataset path /no/such/corpus does not exist"]),
+])
+def test_bad_options(capsys, tmp_path, argv, fragments):
+    expect_error(capsys, [f"--out_dir={tmp_path}", *argv], *fragments)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_bad_corpora(capsys, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.bin").write_bytes(b"\xff\xfe\x00" * 10)
+    expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", f"--dataset={empty}"],
+                 "holds no UTF-8 text")
+    short = tmp_path / "short.txt"
+    short.write_text("too short " * 20)
+    expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", f"--dataset={short}"],
+                 "fewer than block_size+1=129")
+
+
+def test_bad_checkpoints(capsys, tmp_path, data_dir):
+    expect_error(capsys, [f"--out_dir={tmp_path}", "--init_from=resume"], "no checkpoint at")
+    run_train(tmp_path, data_dir, "--max_iters=2", "--eval_interval=2", "--arch=cola")
+    expect_error(capsys, [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--init_from=resume",
+                          "--arch=full"], "written with arch=cola, this run has arch=full")
+    (tmp_path / "ckpt.pt").write_bytes((tmp_path / "ckpt.pt").read_bytes()[:1000])
+    expect_error(capsys, [f"--out_dir={tmp_path}", "--init_from=resume"], "unreadable or corrupt")
+
+
+def test_help_lists_every_option(capsys):
+    train.main(["-h"])
+    out = capsys.readouterr().out
+    for name in train.options():
+        assert f"--{name}=" in out
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+def spawn(world, fn, *args, timeout=240):
+    """Run fn(rank, world, store, *args) in `world` processes over gloo; re-raises a worker's failure."""
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = __import__("time").time() + timeout
+        while not ctx.join(timeout=5):
+            if __import__("time").time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s")
+
+
+def _init_worker(rank, world, store):
+    import datetime
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            store=dist.FileStore(store, world))
+
+
+TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vanilla"), ("cola", "vanilla")]
+
+
+def small_cfg(arch, n_layer=2):
+    return Config(arch=arch, n_layer=n_layer, n_head=8, n_kv_head=4, n_embd=64, block_size=16,
+                  vocab_size=128, attn_rank=16, mlp_rank=24)
+
+
+def _equivalence_worker(rank, world, store, meshes):
+    _init_worker(rank, world, store)
+    for dp, tp in meshes:
+        mesh = parallel.init_mesh(dp, tp, "cpu", 120)
+        env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
+        dp_rank = mesh.get_local_rank("dp")
+        for arch, layout in TP_CASES:
+            where = f"{arch}/{layout} dp={dp} tp={tp}"
+            cfg = small_cfg(arch)
+            torch.manual_seed(0)
+            ref = Llama(cfg)
+            idx = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+            tgt = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
+            logits, loss = ref(idx, tgt)
+            loss.backward()
+            tp_model = parallel.TPLlama(ref, env, layout)
+            model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
+            share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+            tp_logits, tp_loss = model(idx[share], tgt[share])
+            tp_loss.backward()
+            v = cfg.vocab_size // tp
+            torch.testing.assert_close(tp_logits, logits[share][..., env.tp_rank * v:(env.tp_rank + 1) * v],
+                                       msg=lambda m: f"{where} logits: {m}")
+            mean_loss = tp_loss.detach().clone()
+            dist.all_reduce(mean_loss, group=mesh.get_group("dp"))
+            torch.testing.assert_close(mean_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
+            grads = tp_model.full_tensors(grads=True)
+            assert grads.keys() == dict(ref.named_parameters()).keys()
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{where} grad of {name}: {m}")
+            full = tp_model.full_tensors()
+            for name, p in ref.named_parameters():
+                assert torch.equal(full[name], p.detach()), f"{where}: {name} does not unshard exactly"
+        dist.barrier()
+
+
+def test_tp2_equals_single_device():
+    spawn(2, _equivalence_worker, [(1, 2)])
+
+
+def test_tp4_and_dp2_tp2_equal_single_device():
+    spawn(4, _equivalence_worker, [(1, 4), (2, 2)])

@@ -1,0 +1,359 @@
+"""train.py: the one training loop for the dense, svd and CoLA models, in nanoGPT's order.
+
+BOOST (arXiv 2512.12131) trains low-rank bottleneck models at scale; this loop is the same on a
+laptop CPU and on a GPU cluster:
+
+    python train.py                                   # CoLA on the embedded corpus, CPU or GPU
+    python train.py --arch=full --max_iters=200       # any option as --key=value; -h lists them all
+    torchrun --standalone --nproc_per_node=2 train.py # data parallel (gloo on CPU, NCCL on GPU)
+
+Every rank draws its share of the same global batch from (seed, step) (data.py), so the logged
+loss, the mean over the global batch, is comparable line by line across layouts.
+"""
+import difflib
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+from model import ARCHS, Config, Llama, estimate_mfu
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 250       # evaluate and save a checkpoint every this many iterations
+    log_interval: int = 10
+    eval_iters: int = 20           # batches per split in each evaluation
+    init_from: str = "scratch"     # scratch | resume (from <out_dir>/ckpt.pt)
+    # data
+    dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded) or a text file or folder
+    tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
+    data_dir: str = "data"         # where prepared token files are kept
+    batch_size: int = 16           # sequences per micro-step per data-parallel rank
+    gradient_accumulation_steps: int = 1  # micro-steps per iteration, in total over the dp ranks
+    # AdamW and the cosine schedule
+    learning_rate: float = 3e-3
+    max_iters: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0         # 0: no clipping
+    warmup_iters: int = 100
+    lr_decay_iters: int = 0        # 0: max_iters
+    min_lr: float = 3e-4
+    # system
+    device: str = "auto"           # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
+    compile: bool = False
+    seed: int = 1337
+    peak_tflops: float = 0.0       # your device's peak, for MFU; 0: report TFLOP/s only
+    sample_tokens: int = 200       # generated at the end; 0: none
+    timeout_s: int = 600           # process-group timeout
+
+
+CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume"),
+           "dtype": ("auto", "float32", "bfloat16")}
+CKPT = "ckpt.pt"
+
+
+def fail(msg):
+    """A user error: one line on stderr (once per job), exit status 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _convert(key, typ, text):
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"--{key} expects true or false, got {text!r}")
+    try:
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"--{key} expects {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+
+
+def options():
+    """Every command-line option: name -> (dataclass, field). vocab_size comes from the tokeniser."""
+    return {f.name: (cls, f) for cls in (Config, TrainConfig) for f in fields(cls) if f.name != "vocab_size"}
+
+
+def usage():
+    lines = ["usage: [torchrun ...] train.py [--key=value ...]", ""]
+    for cls, title in ((Config, "model"), (TrainConfig, "training")):
+        lines.append(f"{title} options (default):")
+        lines += [f"  --{f.name}={f.default}" for f in fields(cls) if f.name != "vocab_size"]
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    """--key=value arguments -> (model Config, TrainConfig); raises ValueError with one clear line."""
+    known, given = options(), {Config: {}, TrainConfig: {}}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"expected --key=value, got {arg!r} (-h lists the options)")
+        key, text = arg[2:].split("=", 1)
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else " (-h lists them)"
+            raise ValueError(f"unknown option --{key}{hint}")
+        cls, f = known[key]
+        value = _convert(key, type(f.default), text)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ValueError(f"--{key}={value} is not one of {', '.join(CHOICES[key])}")
+        given[cls][key] = value
+    tc = TrainConfig(**given[TrainConfig])
+    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters"):
+        if getattr(tc, name) < 1:
+            raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
+    if tc.max_iters < 0:
+        raise ValueError(f"max_iters={tc.max_iters} must not be negative")
+    if tc.dataset != data.EMBEDDED and not os.path.exists(tc.dataset):
+        raise ValueError(f"dataset path {tc.dataset} does not exist")
+    return Config(**given[Config]), tc
+
+
+def get_lr(it, tc):
+    """Linear warmup, then cosine decay to min_lr at lr_decay_iters (nanoGPT)."""
+    decay_iters = tc.lr_decay_iters or tc.max_iters
+    if it < tc.warmup_iters:
+        return tc.learning_rate * (it + 1) / (tc.warmup_iters + 1)
+    if it >= decay_iters:
+        return tc.min_lr
+    ratio = (it - tc.warmup_iters) / max(1, decay_iters - tc.warmup_iters)
+    return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (tc.learning_rate - tc.min_lr)
+
+
+def configure_optimizer(model, tc):
+    """AdamW, weight decay on 2-D weights only (matrices and embeddings, not norm gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2))
+
+
+def read_checkpoint(tc, cfg):
+    """The checkpoint to resume from, checked against this run's model shape (not vocab_size yet)."""
+    path = os.path.join(tc.out_dir, CKPT)
+    if not os.path.exists(path):
+        raise ValueError(f"--init_from=resume but there is no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        saved = ckpt["config"]
+    except Exception as e:
+        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})") from None
+    check_same_shape(saved, cfg.shape(), path, skip=("vocab_size",))
+    return ckpt
+
+
+def check_same_shape(saved, ours, path, skip=()):
+    for key, value in ours.items():
+        if key not in skip and saved.get(key) != value:
+            raise ValueError(f"checkpoint {path} was written with {key}={saved.get(key)}, "
+                             f"this run has {key}={value}: pass the same model options")
+
+
+def check_writable(out_dir):
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"out_dir {out_dir} cannot be written ({e.strerror})") from None
+
+
+def save_checkpoint(path, raw_model, optimizer, cfg, tc, iter_num):
+    """Write to a temporary name, then rename: the previous checkpoint is never damaged."""
+    ckpt = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "iter_num": iter_num, "config": cfg.shape(), "train_config": asdict(tc)}
+    torch.save(ckpt, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv):
+    if "-h" in argv or "--help" in argv:
+        print(usage())
+        return
+    try:
+        cfg, tc = parse_args(argv)
+        ckpt = read_checkpoint(tc, cfg) if tc.init_from == "resume" else None
+        check_writable(tc.out_dir)
+    except ValueError as e:
+        fail(e)
+
+    # -------------------------------------------------------------- processes, device, precision
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=timedelta(seconds=tc.timeout_s))
+        if device == "cuda":
+            device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(device)
+    dp_rank, dp = (dist.get_rank(), world) if world > 1 else (0, 1)
+    master = dp_rank == 0
+    log = print if master else (lambda *a, **k: None)
+    if tc.gradient_accumulation_steps % dp:
+        fail(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by the "
+             f"{dp} data-parallel ranks")
+    micro_steps = tc.gradient_accumulation_steps // dp
+    dtype = tc.dtype if tc.dtype != "auto" else \
+        ("bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+    autocast = nullcontext() if dtype == "float32" else \
+        torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
+
+    # -------------------------------------------------------------- data (prepared once, on rank 0)
+    err = None
+    if master:
+        try:
+            folder = data.prepare(tc.dataset, tc.tokenizer, tc.data_dir, log=log)
+        except ValueError as e:
+            err = str(e)
+    if world > 1:
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        err = box[0]
+    if err:
+        fail(err)
+    folder = data.prepared_dir(tc.dataset, tc.tokenizer, tc.data_dir)
+    try:
+        splits = {s: data.TokenFile(folder, s, cfg.block_size) for s in ("train", "val")}
+    except ValueError as e:
+        fail(e)
+    meta = json.loads((folder / "meta.json").read_text())
+    cfg.vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)  # padded for fast, divisible GEMMs
+    if ckpt is not None:
+        try:
+            check_same_shape(ckpt["config"], cfg.shape(), os.path.join(tc.out_dir, CKPT))
+        except ValueError as e:
+            fail(e)
+
+    # -------------------------------------------------------------- model and optimizer
+    torch.manual_seed(tc.seed)
+    raw_model = Llama(cfg)
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt["model"])
+    raw_model.to(device)
+    optimizer = configure_optimizer(raw_model, tc)
+    iter_num = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        iter_num = ckpt["iter_num"]
+        log(f"resuming from {os.path.join(tc.out_dir, CKPT)} at iteration {iter_num}")
+    ckpt = None  # free memory
+    model = torch.compile(raw_model) if tc.compile else raw_model
+    if dp > 1:
+        model = DDP(model, device_ids=[device] if device.startswith("cuda") else None)
+    flops_per_token = raw_model.flops_per_token(cfg.block_size)
+    global_batch = tc.batch_size * tc.gradient_accumulation_steps
+    tokens_per_iter = global_batch * cfg.block_size
+    log(f"{cfg.arch}: {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
+        f"dp={dp}, {tokens_per_iter:,} tokens/iter, {device} {dtype}")
+
+    def mean_over_dp(value):
+        """The mean of a float over the data-parallel ranks (each holds the mean of its equal share)."""
+        if dp == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / dp
+
+    @torch.no_grad()
+    def estimate_loss():
+        """Mean loss over eval_iters fixed batches per split (the same batches at every evaluation)."""
+        model.eval()
+        out = {}
+        for split, tokens in splits.items():
+            total = 0.0
+            for k in range(tc.eval_iters):
+                x, y = tokens.batch(tc.seed, f"eval-{split}", k, tc.batch_size * dp, dp_rank * tc.batch_size, tc.batch_size)
+                with autocast:
+                    _, loss = model(x.to(device), y.to(device))
+                total += loss.item()
+            out[split] = mean_over_dp(total / tc.eval_iters)
+        model.train()
+        return out
+
+    # -------------------------------------------------------------- the loop
+    metrics = open(os.path.join(tc.out_dir, "metrics.jsonl"), "a") if master else None
+    t0 = time.time()
+    while True:
+        lr = get_lr(iter_num, tc)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        record = {}
+        if iter_num % tc.eval_interval == 0 or iter_num == tc.max_iters:
+            losses = estimate_loss()
+            record = {"eval_train_loss": losses["train"], "val_loss": losses["val"]}
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            if iter_num > 0 and master:
+                save_checkpoint(os.path.join(tc.out_dir, CKPT), raw_model, optimizer, cfg, tc, iter_num)
+            t0 = time.time()  # evaluation is not training time
+        if iter_num >= tc.max_iters:
+            if master and record:
+                metrics.write(json.dumps({"iter": iter_num, **record}) + "\n")
+            break
+
+        loss_sum = 0.0
+        for micro in range(micro_steps):
+            start = (micro * dp + dp_rank) * tc.batch_size  # this rank's share of the global batch
+            x, y = splits["train"].batch(tc.seed, "train", iter_num, global_batch, start, tc.batch_size)
+            x, y = x.to(device), y.to(device)   # (b, s), (b, s)
+            sync = micro == micro_steps - 1 or dp == 1
+            with (nullcontext() if sync else model.no_sync()), autocast:
+                _, loss = model(x, y)
+                loss = loss / micro_steps
+            loss.backward()
+            loss_sum += loss.item()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        t1 = time.time()
+        dt, t0 = t1 - t0, t1
+        if iter_num % tc.log_interval == 0 or record:
+            loss_mean = mean_over_dp(loss_sum)
+            tokens_per_s = tokens_per_iter / dt
+            mfu = estimate_mfu(flops_per_token, tokens_per_s / world, tc.peak_tflops)
+            record = {"iter": iter_num, "loss": loss_mean, "lr": lr, "ms": dt * 1000,
+                      "tokens_per_s": tokens_per_s, **({"mfu": mfu} if mfu is not None else {}), **record}
+            log(f"iter {iter_num}: loss {loss_mean:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
+                f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s"
+                + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+            if master:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+        iter_num += 1
+
+    if master:
+        metrics.close()
+        if tc.sample_tokens > 0:
+            enc = data.get_tokenizer(tc.tokenizer)
+            torch.manual_seed(tc.seed)
+            start = torch.tensor([[enc.eot_token]], device=device)
+            with autocast:
+                out = raw_model.generate(start, tc.sample_tokens, temperature=0.8, top_k=50)
+            tokens = [t for t in out[0, 1:].tolist() if t < enc.n_vocab]
+            log("sample:\n" + enc.decode(tokens))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
