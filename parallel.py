@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from model import causal_attention, gated_product, latent_act
+from model import Llama, causal_attention, gated_product, latent_act
 
 LAYOUTS = ("btp", "vanilla", "megatron")
 
@@ -36,22 +36,28 @@ LAYOUTS = ("btp", "vanilla", "megatron")
 # ------------------------------------------------------------------------------------ the ledger
 
 class Ledger:
-    """Every collective records (op, group, phase) -> elements; train.py and bench.py read it."""
+    """Every collective records (op, group, phase) -> [elements, bytes]; train.py and bench.py read it.
+
+    Elements are those of the collective's result (b·s·n for an all-reduce of n features per token,
+    b·s·d for the all-gather of d). Phases: fwd, bwd, and grad (the data-parallel gradient all-reduce)."""
 
     def __init__(self):
-        self.names, self.counts = {}, defaultdict(int)
+        self.names, self.counts = {}, defaultdict(lambda: [0, 0])
 
     def name(self, group, name):
         self.names[id(group)] = name
 
-    def record(self, op, group, numel, phase):
-        self.counts[(op, self.names.get(id(group), "?"), phase)] += numel
+    def record(self, op, group, tensor, phase):
+        entry = self.counts[(op, self.names.get(id(group), "?"), phase)]
+        entry[0] += tensor.numel()
+        entry[1] += tensor.numel() * tensor.element_size()
 
     def reset(self):
         self.counts.clear()
 
-    def total(self, group=None, phase=None):
-        return sum(n for (op, g, p), n in self.counts.items()
+    def total(self, group=None, phase=None, unit="elements"):
+        i = 0 if unit == "elements" else 1
+        return sum(n[i] for (op, g, p), n in self.counts.items()
                    if (group is None or g == group) and (phase is None or p == phase))
 
 
@@ -60,7 +66,7 @@ LEDGER = Ledger()
 
 def _all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
     x = x.contiguous()
-    LEDGER.record("all_reduce", group, x.numel(), phase)
+    LEDGER.record("all_reduce", group, x, phase)
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -70,7 +76,7 @@ def _all_gather_last(x, group, phase):
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     out = torch.cat(parts, dim=-1)
-    LEDGER.record("all_gather", group, out.numel(), phase)
+    LEDGER.record("all_gather", group, out, phase)
     return out
 
 
@@ -174,6 +180,13 @@ def init_mesh(dp, tp, device_type, timeout_s):
     return mesh
 
 
+def ledger_ddp_hook(group, bucket):
+    """DDP communication hook: the default gradient all-reduce, recorded in the ledger."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    LEDGER.record("all_reduce", group, bucket.buffer(), "grad")
+    return allreduce_hook(group, bucket)
+
+
 def check_divisible(cfg, tp, layout):
     """A clear ValueError when the TP degree cannot split this model under this layout."""
     if layout not in LAYOUTS:
@@ -184,7 +197,7 @@ def check_divisible(cfg, tp, layout):
         raise ValueError(f"tp_mode={layout} splits bottlenecks; arch=full uses tp_mode=megatron")
     splits = {"vocab_size": cfg.vocab_size}
     if layout != "vanilla":
-        splits.update(n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd, mlp_width=cfg.mlp_width)
+        splits.update(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
     else:
         splits.update(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank)
     for name, value in splits.items():
@@ -204,16 +217,22 @@ class Spec:
     rows: list
 
 
+def take(full, spec, tp):
+    """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
+    parts = [full[p] if spec.dim is None else full[p].chunk(tp.size, spec.dim)[tp.tp_rank] for p in spec.pieces]
+    return torch.cat(parts, 0)
+
+
 class Sharded(nn.Module):
     def __init__(self, tp, full):
         super().__init__()
         self.tp, self._full, self.specs = tp, full, {}
 
     def shard(self, name, pieces, dim):
-        parts = [self._full[p] if dim is None else self._full[p].chunk(self.tp.size, dim)[self.tp.tp_rank]
-                 for p in pieces]
-        self.register_parameter(name, nn.Parameter(torch.cat(parts, 0).clone()))
-        self.specs[name] = Spec(pieces, dim, [part.shape[0] for part in parts])
+        full_rows = [self._full[p].shape[0] for p in pieces]
+        spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
+        self.register_parameter(name, nn.Parameter(take(self._full, spec, self.tp).clone()))
+        self.specs[name] = spec
 
 
 class BTPBlock(Sharded):
@@ -358,18 +377,29 @@ class TPLlama(Sharded):
                 yield (f"{prefix}.{name}" if prefix else name), spec
 
     def full_tensors(self, grads=False):
-        """The single-device model's state (or gradients), gathered from the TP ranks: {name: tensor}."""
-        params, out = dict(self.named_parameters()), {}
+        """The single-device model's parameters (or gradients), gathered over TP: {name: tensor}."""
+        return self.unshard({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
+
+    def unshard(self, local):
+        """{local name: tensor shaped like that parameter} -> {full-model name: full tensor}.
+        A collective over the TP group: every TP rank must call it."""
+        out = {}
         for name, spec in self.named_specs():
-            local = params[name].grad if grads else params[name].detach()
+            local_t = local[name]
             if spec.dim is None:
-                shards = [local] * self.tp.size
+                shards = [local_t] * self.tp.size
             else:
-                shards = [torch.empty_like(local) for _ in range(self.tp.size)]
-                dist.all_gather(shards, local.contiguous(), group=self.tp.group)
+                shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
+                dist.all_gather(shards, local_t.contiguous(), group=self.tp.group)
             for p, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
                 out[p] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
         return out
+
+    def shard_from(self, full):
+        """{full-model name: tensor} -> {local name: this rank's tensor} (no communication)."""
+        return {name: take(full, spec, self.tp) for name, spec in self.named_specs()}
+
+    generate = Llama.generate
 
     def grad_norm_sq(self):
         """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""

@@ -264,11 +264,11 @@ def test_help_lists_every_option(capsys):
 # ---------------------------------------------------------------------------- tensor parallelism
 
 def spawn(world, fn, *args, timeout=240):
-    """Run fn(rank, world, store, *args) in `world` processes over gloo; re-raises a worker's failure."""
+    """Run fn(rank, world, *args) in `world` processes over gloo; re-raises a worker's failure."""
     import tempfile
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), fn, *args), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = __import__("time").time() + timeout
         while not ctx.join(timeout=5):
@@ -278,11 +278,15 @@ def spawn(world, fn, *args, timeout=240):
                 raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s")
 
 
-def _init_worker(rank, world, store):
+def _worker(rank, world, store, fn, *args):
+    """One spawned process: a gloo group over a FileStore (no port), fn, then an orderly shutdown."""
     import datetime
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
                             store=dist.FileStore(store, world))
+    fn(rank, world, *args)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vanilla"), ("cola", "vanilla")]
@@ -293,8 +297,7 @@ def small_cfg(arch, n_layer=2):
                   vocab_size=128, attn_rank=16, mlp_rank=24)
 
 
-def _equivalence_worker(rank, world, store, meshes):
-    _init_worker(rank, world, store)
+def _equivalence_worker(rank, world, meshes):
     for dp, tp in meshes:
         mesh = parallel.init_mesh(dp, tp, "cpu", 120)
         env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
@@ -327,6 +330,12 @@ def _equivalence_worker(rank, world, store, meshes):
             full = tp_model.full_tensors()
             for name, p in ref.named_parameters():
                 assert torch.equal(full[name], p.detach()), f"{where}: {name} does not unshard exactly"
+            for name, spec in tp_model.named_specs():  # replicated parameters get identical gradients
+                if spec.dim is None:
+                    g = dict(tp_model.named_parameters())[name].grad
+                    peers = [torch.empty_like(g) for _ in range(tp)]
+                    dist.all_gather(peers, g, group=env.group)
+                    assert all(torch.equal(peer, g) for peer in peers), f"{where}: {name} grads differ"
         dist.barrier()
 
 
@@ -336,3 +345,110 @@ def test_tp2_equals_single_device():
 
 def test_tp4_and_dp2_tp2_equal_single_device():
     spawn(4, _equivalence_worker, [(1, 4), (2, 2)])
+
+
+def _collectives_worker(rank, world):
+    g = dist.group.WORLD
+    # Copy (f): identity forward, all-reduce backward, also of a non-contiguous gradient
+    x = torch.full((4, 3), float(rank + 1), requires_grad=True)
+    y = parallel.Copy.apply(x, g)
+    assert torch.equal(y, x)
+    grad = (torch.arange(12.0).view(3, 4) * (rank + 1)).t()
+    assert not grad.is_contiguous()
+    y.backward(grad)
+    assert torch.equal(x.grad, torch.arange(12.0).view(3, 4).t() * 3)
+    # Reduce (g): all-reduce forward, identity backward
+    x = torch.arange(6.0, requires_grad=True)
+    y = parallel.Reduce.apply(x * (rank + 1), g)
+    assert torch.equal(y, torch.arange(6.0) * 3)
+    y.backward(torch.ones(6) * (rank + 5))
+    assert torch.equal(x.grad, torch.ones(6) * (rank + 5) * (rank + 1))
+    # Gather: all-gather forward, own slice backward
+    x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    y = parallel.Gather.apply(x, g)
+    assert torch.equal(y, torch.tensor([[1.0] * 3 + [2.0] * 3] * 2))
+    y.backward(torch.arange(12.0).view(2, 6).t().contiguous().t())
+    assert torch.equal(x.grad, torch.arange(12.0).view(2, 6)[:, 3 * rank:3 * rank + 3])
+    # vocab-parallel cross-entropy equals F.cross_entropy on the full logits
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8, requires_grad=True)
+    target = torch.tensor([0, 3, 4, 7, 5])
+    torch.nn.functional.cross_entropy(logits, target, reduction="none").mul(torch.arange(1.0, 6)).sum().backward()
+    local = logits.detach()[:, 4 * rank:4 * rank + 4].clone().requires_grad_()
+    loss = parallel.VocabParallelCrossEntropy.apply(local, target, g)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.detach(), target, reduction="none"))
+    loss.mul(torch.arange(1.0, 6)).sum().backward()
+    torch.testing.assert_close(local.grad, logits.grad[:, 4 * rank:4 * rank + 4])
+
+
+def test_collectives_forward_and_backward():
+    spawn(2, _collectives_worker)
+
+
+def ledger_per_layer(layout, cfg, tokens):
+    """Elements per layer per the docstrings of parallel.py: (forward, backward)."""
+    d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
+    per_token = {"btp": ((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm),
+                 "vanilla": (d + 2 * kv + d + 2 * f + d, 3 * d + d + 2 * d + f),
+                 "megatron": (d + d, d + d)}[layout]
+    return tuple(tokens * n for n in per_token)
+
+
+def _ledger_worker(rank, world, result_file):
+    env = parallel.TP(dist.group.WORLD, rank, world)
+    parallel.LEDGER.name(dist.group.WORLD, "tp")
+    b, s, out = 2, 16, {}
+    for arch, layout in TP_CASES:
+        totals = {}
+        for n_layer in (2, 4):
+            torch.manual_seed(0)
+            cfg = small_cfg(arch, n_layer)
+            model = parallel.TPLlama(Llama(cfg), env, layout)
+            idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
+            parallel.LEDGER.reset()
+            model(idx, idx)[1].backward()
+            totals[n_layer] = (parallel.LEDGER.total("tp", "fwd"), parallel.LEDGER.total("tp", "bwd"))
+        per_layer = tuple((totals[4][i] - totals[2][i]) // 2 for i in range(2))
+        head = tuple(totals[2][i] - 2 * per_layer[i] for i in range(2))
+        out[f"{arch}/{layout}"] = {"per_layer": per_layer, "head": head,
+                                   "expected": ledger_per_layer(layout, cfg, b * s)}
+        bsd = b * s * cfg.n_embd
+        # outside the layers: btp all-gathers d before the final norm; all layouts all-reduce the
+        # gradient of the normalised d before the vocab-parallel head, whose loss takes 3 all-reduces of b·s
+        assert head == ((bsd if layout == "btp" else 0) + 3 * b * s, bsd), (layout, head)
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(out))
+
+
+def test_ledger_volumes_equal_formulas(tmp_path):
+    spawn(2, _ledger_worker, str(tmp_path / "ledger.json"))
+    for case, r in json.loads((tmp_path / "ledger.json").read_text()).items():
+        assert tuple(r["per_layer"]) == tuple(r["expected"]), case
+
+
+@pytest.mark.parametrize("arch, layout, nproc, dp", [("cola", "btp", 2, 1), ("svd", "vanilla", 2, 1),
+                                                     ("full", "megatron", 2, 1), ("cola", "btp", 4, 2)])
+def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, nproc, dp):
+    common = [f"--data_dir={data_dir}", *TINY, "--max_iters=5", "--eval_interval=100", f"--arch={arch}",
+              "--gradient_accumulation_steps=2", "--batch_size=2"]
+    single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
+    torchrun(nproc, f"--out_dir={tmp_path / 'tp'}", *common, "--tp=2", f"--tp_mode={layout}", f"--dp={dp}")
+    records = [json.loads(x) for x in open(tmp_path / "tp" / "metrics.jsonl")]
+    assert len(single) == 5 and all(r["tp_bytes"] > 0 for r in records if "loss" in r)
+    torch.testing.assert_close(torch.tensor(losses(records)), torch.tensor(single), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, argv, fragment", [
+    (4, ["--tp=3"], "world size 4 is not dp × tp = 1 × 3"),
+    (4, ["--tp=2", "--dp=3"], "world size 4 is not dp × tp = 3 × 2"),
+    (2, ["--tp=2", "--n_head=3", "--n_embd=48", "--n_kv_head=1"], "tp=2 does not divide n_head=3"),
+    (2, ["--tp=2", "--n_kv_head=1"], "tp=2 does not divide n_kv_head=1"),
+    (4, ["--tp=4", "--n_embd=18", "--n_head=1"], "tp=4 does not divide n_embd=18"),
+    (2, ["--tp=2", "--mlp_width=99"], "tp=2 does not divide mlp_width=99"),
+    (2, ["--tp=2", "--tp_mode=vanilla", "--attn_rank=9"], "tp=2 does not divide attn_rank=9"),
+    (2, ["--tp=2", "--tp_mode=megatron"], "tp_mode=megatron is the dense baseline"),
+    (2, ["--tp=2", "--arch=full", "--tp_mode=btp"], "arch=full uses tp_mode=megatron"),
+])
+def test_bad_parallel_layouts(capsys, monkeypatch, tmp_path, world, argv, fragment):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    expect_error(capsys, [f"--out_dir={tmp_path}", *argv], fragment)

@@ -18,14 +18,15 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import parallel
 from model import ARCHS, Config, Llama, estimate_mfu
+from parallel import LEDGER
 
 
 @dataclass
@@ -52,6 +53,10 @@ class TrainConfig:
     warmup_iters: int = 100
     lr_decay_iters: int = 0        # 0: max_iters
     min_lr: float = 3e-4
+    # parallelism (under torchrun: world size = dp × tp, TP peers are adjacent ranks)
+    tp: int = 1                    # tensor-parallel degree
+    dp: int = 0                    # data-parallel degree; 0: world size / tp
+    tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
     # system
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
@@ -63,7 +68,7 @@ class TrainConfig:
 
 
 CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume"),
-           "dtype": ("auto", "float32", "bfloat16")}
+           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + parallel.LAYOUTS}
 CKPT = "ckpt.pt"
 
 
@@ -117,14 +122,27 @@ def parse_args(argv):
             raise ValueError(f"--{key}={value} is not one of {', '.join(CHOICES[key])}")
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
-    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters"):
+    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
-    if tc.max_iters < 0:
-        raise ValueError(f"max_iters={tc.max_iters} must not be negative")
+    for name in ("max_iters", "dp"):
+        if getattr(tc, name) < 0:
+            raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     if tc.dataset != data.EMBEDDED and not os.path.exists(tc.dataset):
         raise ValueError(f"dataset path {tc.dataset} does not exist")
     return Config(**given[Config]), tc
+
+
+def plan_parallel(cfg, tc, world):
+    """(dp, layout) for this world size; ValueError when the layout cannot split the model."""
+    dp = tc.dp or max(1, world // tc.tp)
+    if dp * tc.tp != world:
+        raise ValueError(f"world size {world} is not dp × tp = {dp} × {tc.tp}: "
+                         "set --dp and --tp, or torchrun --nproc_per_node")
+    layout = tc.tp_mode if tc.tp_mode != "auto" else ("btp" if cfg.lowrank else "megatron")
+    if tc.tp > 1:
+        parallel.check_divisible(cfg, tc.tp, layout)
+    return dp, layout
 
 
 def get_lr(it, tc):
@@ -177,9 +195,31 @@ def check_writable(out_dir):
         raise ValueError(f"out_dir {out_dir} cannot be written ({e.strerror})") from None
 
 
-def save_checkpoint(path, raw_model, optimizer, cfg, tc, iter_num):
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def training_state(raw_model, optimizer):
+    """Model weights and AdamW moments by the single-device model's names, whatever the layout
+    (TP shards are gathered: every TP rank must call this). Returns (model, optimizer) dicts."""
+    local = {n: p for n, p in raw_model.named_parameters()}
+    moments = {k: {n: optimizer.state[p][k] for n, p in local.items()} for k in MOMENTS}
+    step = optimizer.state[next(iter(local.values()))]["step"]
+    if isinstance(raw_model, parallel.TPLlama):
+        return raw_model.full_tensors(), {"step": step, **{k: raw_model.unshard(v) for k, v in moments.items()}}
+    return {n: p.detach() for n, p in local.items()}, {"step": step, **moments}
+
+
+def load_optimizer(raw_model, optimizer, saved):
+    """The inverse of training_state for the optimizer: cut this rank's moments from the full ones."""
+    moments = {k: raw_model.shard_from(saved[k]) if isinstance(raw_model, parallel.TPLlama) else saved[k]
+               for k in MOMENTS}
+    for n, p in raw_model.named_parameters():
+        optimizer.state[p] = {"step": saved["step"].clone(), **{k: moments[k][n].clone().to(p.device) for k in MOMENTS}}
+
+
+def save_checkpoint(path, model_state, optimizer_state, cfg, tc, iter_num):
     """Write to a temporary name, then rename: the previous checkpoint is never damaged."""
-    ckpt = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+    ckpt = {"model": model_state, "optimizer": optimizer_state,
             "iter_num": iter_num, "config": cfg.shape(), "train_config": asdict(tc)}
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -191,22 +231,25 @@ def main(argv):
         return
     try:
         cfg, tc = parse_args(argv)
+        cfg.vocab_size = 64 * math.ceil(data.get_tokenizer(tc.tokenizer).n_vocab / 64)  # padded: fast, divisible
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp, layout = plan_parallel(cfg, tc, world)
         ckpt = read_checkpoint(tc, cfg) if tc.init_from == "resume" else None
         check_writable(tc.out_dir)
     except ValueError as e:
         fail(e)
 
     # -------------------------------------------------------------- processes, device, precision
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dp_rank, dp_group, tp = 0, None, None
     if world > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                timeout=timedelta(seconds=tc.timeout_s))
         if device == "cuda":
             device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
             torch.cuda.set_device(device)
-    dp_rank, dp = (dist.get_rank(), world) if world > 1 else (0, 1)
-    master = dp_rank == 0
+        mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s)
+        dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
+        tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp)
+    master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
     if tc.gradient_accumulation_steps % dp:
         fail(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by the "
@@ -235,42 +278,39 @@ def main(argv):
         splits = {s: data.TokenFile(folder, s, cfg.block_size) for s in ("train", "val")}
     except ValueError as e:
         fail(e)
-    meta = json.loads((folder / "meta.json").read_text())
-    cfg.vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)  # padded for fast, divisible GEMMs
-    if ckpt is not None:
-        try:
-            check_same_shape(ckpt["config"], cfg.shape(), os.path.join(tc.out_dir, CKPT))
-        except ValueError as e:
-            fail(e)
 
     # -------------------------------------------------------------- model and optimizer
     torch.manual_seed(tc.seed)
     raw_model = Llama(cfg)
     if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
+    n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
+    if tc.tp > 1:
+        raw_model = parallel.TPLlama(raw_model, tp, layout)  # cut from the full model built above
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, tc)
     iter_num = 0
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer(raw_model, optimizer, ckpt["optimizer"])
         iter_num = ckpt["iter_num"]
         log(f"resuming from {os.path.join(tc.out_dir, CKPT)} at iteration {iter_num}")
     ckpt = None  # free memory
     model = torch.compile(raw_model) if tc.compile else raw_model
     if dp > 1:
-        model = DDP(model, device_ids=[device] if device.startswith("cuda") else None)
-    flops_per_token = raw_model.flops_per_token(cfg.block_size)
+        model = DDP(model, process_group=dp_group, device_ids=[device] if device.startswith("cuda") else None)
+        model.register_comm_hook(dp_group, parallel.ledger_ddp_hook)
     global_batch = tc.batch_size * tc.gradient_accumulation_steps
     tokens_per_iter = global_batch * cfg.block_size
-    log(f"{cfg.arch}: {raw_model.num_params() / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
-        f"dp={dp}, {tokens_per_iter:,} tokens/iter, {device} {dtype}")
+    log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
+        f"dp={dp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
+        f", {tokens_per_iter:,} tokens/iter, {device} {dtype}")
 
     def mean_over_dp(value):
         """The mean of a float over the data-parallel ranks (each holds the mean of its equal share)."""
         if dp == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=dp_group)
         return t.item() / dp
 
     @torch.no_grad()
@@ -301,8 +341,10 @@ def main(argv):
             losses = estimate_loss()
             record = {"eval_train_loss": losses["train"], "val_loss": losses["val"]}
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            if iter_num > 0 and master:
-                save_checkpoint(os.path.join(tc.out_dir, CKPT), raw_model, optimizer, cfg, tc, iter_num)
+            if iter_num > 0:
+                state = training_state(raw_model, optimizer)
+                if master:
+                    save_checkpoint(os.path.join(tc.out_dir, CKPT), *state, cfg, tc, iter_num)
             t0 = time.time()  # evaluation is not training time
         if iter_num >= tc.max_iters:
             if master and record:
@@ -310,6 +352,7 @@ def main(argv):
             break
 
         loss_sum = 0.0
+        LEDGER.reset()
         for micro in range(micro_steps):
             start = (micro * dp + dp_rank) * tc.batch_size  # this rank's share of the global batch
             x, y = splits["train"].batch(tc.seed, "train", iter_num, global_batch, start, tc.batch_size)
@@ -321,7 +364,7 @@ def main(argv):
             loss.backward()
             loss_sum += loss.item()
         if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), tc.grad_clip)
+            parallel.clip_grad_norm(raw_model, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -331,10 +374,13 @@ def main(argv):
             loss_mean = mean_over_dp(loss_sum)
             tokens_per_s = tokens_per_iter / dt
             mfu = estimate_mfu(flops_per_token, tokens_per_s / world, tc.peak_tflops)
-            record = {"iter": iter_num, "loss": loss_mean, "lr": lr, "ms": dt * 1000,
-                      "tokens_per_s": tokens_per_s, **({"mfu": mfu} if mfu is not None else {}), **record}
+            comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
+                    "dp_bytes": LEDGER.total("dp", unit="bytes")}
+            record = {"iter": iter_num, "loss": loss_mean, "lr": lr, "ms": dt * 1000, "tokens_per_s": tokens_per_s,
+                      **comm, **({"mfu": mfu} if mfu is not None else {}), **record}
             log(f"iter {iter_num}: loss {loss_mean:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
-                f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s"
+                f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s, "
+                f"comm {comm['comm_bytes'] / 1e6:.2f} MB"
                 + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
             if master:
                 metrics.write(json.dumps(record) + "\n")
@@ -343,15 +389,16 @@ def main(argv):
 
     if master:
         metrics.close()
-        if tc.sample_tokens > 0:
-            enc = data.get_tokenizer(tc.tokenizer)
-            torch.manual_seed(tc.seed)
-            start = torch.tensor([[enc.eot_token]], device=device)
-            with autocast:
-                out = raw_model.generate(start, tc.sample_tokens, temperature=0.8, top_k=50)
-            tokens = [t for t in out[0, 1:].tolist() if t < enc.n_vocab]
-            log("sample:\n" + enc.decode(tokens))
+    if tc.sample_tokens > 0:  # every rank samples alike (TP peers must run the forward together)
+        enc = data.get_tokenizer(tc.tokenizer)
+        torch.manual_seed(tc.seed)
+        start = torch.tensor([[enc.eot_token]], device=device)
+        with autocast:
+            out = raw_model.generate(start, tc.sample_tokens, temperature=0.8, top_k=50)
+        tokens = [t for t in out[0, 1:].tolist() if t < enc.n_vocab]
+        log("sample:\n" + enc.decode(tokens))
     if world > 1:
+        dist.barrier()  # no rank closes its connections while a peer still uses them
         dist.destroy_process_group()
 
 
