@@ -192,9 +192,9 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """Token embedding, n_layer blocks, final RMSNorm, untied LM head."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, recompute="none"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.recompute = cfg, recompute  # activation checkpointing: none | layer | lowrank
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -210,8 +210,12 @@ class Llama(nn.Module):
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} is longer than block_size={self.cfg.block_size}")
         x = self.tok_emb(idx)                            # (b, s, d)
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)   # (b, s, d)
+        if self.recompute == "none":
+            for layer in self.layers:
+                x = layer(x, self.rope_cos, self.rope_sin)   # (b, s, d)
+        else:
+            from checkpointing import run_layers
+            x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None     # (b, 1, V)

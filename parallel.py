@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from checkpointing import forward_chunks, run_layers
 from model import Llama, causal_attention, gated_product, latent_act
 
 LAYOUTS = ("btp", "vanilla", "megatron")
@@ -254,28 +255,42 @@ class BTPBlock(Sharded):
         self.shard("A_down", [p + "mlp.down.A.weight"], 1)                 # (r, f/t)
         self.shard("B_down", [p + "mlp.down.B.weight"], 0)                 # (d/t, r)
 
-    def norm_down(self, x, gamma, A):
-        """Online RMSNorm + grouped down-projection: one all-reduce of [H | S], then σ."""
-        H, S = kernels.norm_down(x, gamma, A)                      # (b, s, n), (b, s, 1)
-        HS = Reduce.apply(torch.cat([H.float(), S], -1), self.tp.group)  # (b, s, n + 1)
+    # The layer as BTP chunks (checkpointing.py recomputes them one by one): each chunk starts from
+    # a replicated latent after its all-reduce and ends with the local partial product of the next A.
+    def reduce(self, partial):
+        return Reduce.apply(partial, self.tp.group)
+
+    def latent(self, HS):
+        """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S] (online RMSNorm, §3), replicated."""
         z = HS[..., :-1] * torch.rsqrt(HS[..., -1:] / self.cfg.n_embd + self.cfg.norm_eps)
-        return Copy.apply(self.act(z.to(x.dtype)), self.tp.group)  # (b, s, n), replicated
+        return Copy.apply(self.act(z), self.tp.group)                            # (b, s, n)
 
-    def bottleneck(self, y, A, B):
-        """Row-parallel A, all-reduce of the r-vector, σ, column-parallel B."""
-        z = Reduce.apply(y @ A.t(), self.tp.group)                 # (b, s, r)
-        return Copy.apply(self.act(z), self.tp.group) @ B.t()      # (b, s, d_out/t)
+    def qkv_down(self, x):
+        H, S = kernels.norm_down(x, self.attn_norm, self.A_qkv)                  # (b, s, 3r), (b, s, 1)
+        return torch.cat([H.float(), S], -1)                                     # (b, s, 3r+1) partial
 
-    def forward(self, x, cos, sin):
-        cfg, t, r = self.cfg, self.tp.size, self.cfg.attn_rank
-        z = self.norm_down(x, self.attn_norm, self.A_qkv)          # (b, s, 3r)
-        q, k, v = kernels.grouped_up(list(z.split(r, -1)), [self.B_q, self.B_k, self.B_v])
+    def attn_chunk(self, HS, cos, sin):
+        cfg, t = self.cfg, self.tp.size
+        z = self.latent(HS)                                                      # (b, s, 3r)
+        q, k, v = kernels.grouped_up(list(z.split(cfg.attn_rank, -1)), [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
-        x = x + self.bottleneck(y, self.A_o, self.B_o)             # (b, s, d/t)
-        z = self.norm_down(x, self.mlp_norm, self.A_gu)            # (b, s, 2r)
-        gate, up = kernels.grouped_up(list(z.split(cfg.mlp_rank, -1)), [self.B_gate, self.B_up])
-        h = gated_product(cfg.arch, gate, up)                      # (b, s, f/t)
-        return x + self.bottleneck(h, self.A_down, self.B_down)    # (b, s, d/t)
+        return y @ self.A_o.t()                                                  # (b, s, r) partial
+
+    def o_chunk(self, u, x):
+        x = x + Copy.apply(self.act(u), self.tp.group) @ self.B_o.t()           # (b, s, d/t)
+        H, S = kernels.norm_down(x, self.mlp_norm, self.A_gu)                    # (b, s, 2r), (b, s, 1)
+        return x, torch.cat([H.float(), S], -1)                                  # (b, s, 2r+1) partial
+
+    def mlp_chunk(self, HS):
+        z = self.latent(HS)                                                      # (b, s, 2r)
+        gate, up = kernels.grouped_up(list(z.split(self.cfg.mlp_rank, -1)), [self.B_gate, self.B_up])
+        h = gated_product(self.cfg.arch, gate, up)                               # (b, s, f/t)
+        return h @ self.A_down.t()                                               # (b, s, r) partial
+
+    def down_chunk(self, u, x):
+        return x + Copy.apply(self.act(u), self.tp.group) @ self.B_down.t()     # (b, s, d/t)
+
+    forward = forward_chunks
 
 
 class VanillaBlock(Sharded):
@@ -291,20 +306,44 @@ class VanillaBlock(Sharded):
             self.shard(f"{key}_A", [p + name + ".A.weight"], 0)    # (r/t, d_in)
             self.shard(f"{key}_B", [p + name + ".B.weight"], 1)    # (d_out, r/t)
 
-    def proj(self, x, key):
-        """Copy, column-parallel A (r/t), σ, row-parallel B, all-reduce of d_out."""
-        z = self.act(Copy.apply(x, self.tp.group) @ getattr(self, key + "_A").t())  # (b, s, r/t)
-        return Reduce.apply(z @ getattr(self, key + "_B").t(), self.tp.group)      # (b, s, d_out)
+    # The same chunk boundaries as BTP (checkpointing.py), but here the latents are local r/t
+    # slices and every B ends in an all-reduce of d_out, inside the chunk.
+    def reduce(self, partial):
+        return partial  # a column-parallel A gives this rank's latent slice whole
 
-    def forward(self, x, cos, sin):
+    def down(self, h, *keys):
+        """Copy, then each column-parallel A: this rank's r/t latent slices, concatenated."""
+        return torch.cat([Copy.apply(h, self.tp.group) @ getattr(self, k + "_A").t() for k in keys], -1)
+
+    def up(self, z, key):
+        """σ, row-parallel B, all-reduce of the full d_out."""
+        return Reduce.apply(self.act(z) @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
+
+    def qkv_down(self, x):
+        h = F.rms_norm(x, (self.cfg.n_embd,), self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
+        return self.down(h, "attn_q", "attn_k", "attn_v")                         # (b, s, 3r/t)
+
+    def attn_chunk(self, z, cos, sin):
         cfg = self.cfg
-        h = F.rms_norm(x, (cfg.n_embd,), self.attn_norm, cfg.norm_eps)             # (b, s, d)
-        y = causal_attention(self.proj(h, "attn_q"), self.proj(h, "attn_k"), self.proj(h, "attn_v"),
-                             cfg.n_head, cfg.n_kv_head, cos, sin)                   # all heads
-        x = x + self.proj(y, "attn_o")
-        h = F.rms_norm(x, (cfg.n_embd,), self.mlp_norm, cfg.norm_eps)
-        g = gated_product(cfg.arch, self.proj(h, "mlp_gate"), self.proj(h, "mlp_up"))  # (b, s, f)
-        return x + self.proj(g, "mlp_down")                                         # (b, s, d)
+        zq, zk, zv = z.split(cfg.attn_rank // self.tp.size, -1)
+        y = causal_attention(self.up(zq, "attn_q"), self.up(zk, "attn_k"), self.up(zv, "attn_v"),
+                             cfg.n_head, cfg.n_kv_head, cos, sin)                 # all heads, (b, s, d)
+        return self.down(y, "attn_o")                                             # (b, s, r/t)
+
+    def o_chunk(self, u, x):
+        x = x + self.up(u, "attn_o")                                              # (b, s, d)
+        h = F.rms_norm(x, (self.cfg.n_embd,), self.mlp_norm, self.cfg.norm_eps)
+        return x, self.down(h, "mlp_gate", "mlp_up")                              # (b, s, 2r/t)
+
+    def mlp_chunk(self, z):
+        zg, zu = z.split(self.cfg.mlp_rank // self.tp.size, -1)
+        a = gated_product(self.cfg.arch, self.up(zg, "mlp_gate"), self.up(zu, "mlp_up"))  # (b, s, f)
+        return self.down(a, "mlp_down")                                           # (b, s, r/t)
+
+    def down_chunk(self, u, x):
+        return x + self.up(u, "mlp_down")                                         # (b, s, d)
+
+    forward = forward_chunks
 
 
 class MegatronBlock(Sharded):
@@ -345,7 +384,7 @@ class TPLlama(Sharded):
         check_divisible(model.cfg, tp.size, layout)
         full = {k: v.detach() for k, v in model.state_dict().items()}
         super().__init__(tp, full)
-        self.cfg, self.layout = model.cfg, layout
+        self.cfg, self.layout, self.recompute = model.cfg, layout, model.recompute
         self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
         self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.")
                                     for i in range(model.cfg.n_layer))
@@ -359,8 +398,7 @@ class TPLlama(Sharded):
     def forward(self, idx, targets=None):
         g = self.tp.group
         x = F.embedding(idx, self.tok_emb)                          # (b, s, d/t) btp, else (b, s, d)
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+        x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         if self.layout == "btp":
             x = Gather.apply(x, g)                                  # (b, s, d)
         x = Copy.apply(F.rms_norm(x, (self.cfg.n_embd,), self.norm, self.cfg.norm_eps), g)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpointing
 import data
 import parallel
 import train
@@ -227,6 +228,8 @@ def expect_error(capsys, argv, *fragments):
     (["--batch_size=0"], ["batch_size=0 must be at least 1"]),
     (["--block_size=0"], ["block_size=0 must be at least 1"]),
     (["--dataset=/no/such/corpus"], ["dataset path /no/such/corpus does not exist"]),
+    (["--arch=full", "--recompute=lowrank"], ["recompute=lowrank needs low-rank bottlenecks"]),
+    (["--recompute=all"], ["--recompute=all is not one of none, layer, lowrank"]),
 ])
 def test_bad_options(capsys, tmp_path, argv, fragments):
     expect_error(capsys, [f"--out_dir={tmp_path}", *argv], *fragments)
@@ -426,11 +429,12 @@ def test_ledger_volumes_equal_formulas(tmp_path):
         assert tuple(r["per_layer"]) == tuple(r["expected"]), case
 
 
-@pytest.mark.parametrize("arch, layout, nproc, dp", [("cola", "btp", 2, 1), ("svd", "vanilla", 2, 1),
-                                                     ("full", "megatron", 2, 1), ("cola", "btp", 4, 2)])
-def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, nproc, dp):
+@pytest.mark.parametrize("arch, layout, nproc, dp, recompute", [
+    ("cola", "btp", 2, 1, "none"), ("svd", "vanilla", 2, 1, "none"), ("full", "megatron", 2, 1, "layer"),
+    ("cola", "btp", 4, 2, "lowrank")])
+def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, nproc, dp, recompute):
     common = [f"--data_dir={data_dir}", *TINY, "--max_iters=5", "--eval_interval=100", f"--arch={arch}",
-              "--gradient_accumulation_steps=2", "--batch_size=2"]
+              "--gradient_accumulation_steps=2", "--batch_size=2", f"--recompute={recompute}"]
     single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
     torchrun(nproc, f"--out_dir={tmp_path / 'tp'}", *common, "--tp=2", f"--tp_mode={layout}", f"--dp={dp}")
     records = [json.loads(x) for x in open(tmp_path / "tp" / "metrics.jsonl")]
@@ -452,3 +456,93 @@ def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, 
 def test_bad_parallel_layouts(capsys, monkeypatch, tmp_path, world, argv, fragment):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     expect_error(capsys, [f"--out_dir={tmp_path}", *argv], fragment)
+
+
+
+# ---------------------------------------------------------------------------- activation checkpointing
+
+def lowrank_saved_per_token(layout, cfg, t, e=4):
+    """checkpointing.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
+    ra, rm, d = cfg.attn_rank, cfg.mlp_rank, cfg.n_embd
+    return {"btp": 4 * (4 * ra + 3 * rm + 2) + 2 * d // t * e,
+            "one": (4 * ra + 3 * rm + 2 * d) * e,
+            "vanilla": (4 * ra // t + 3 * rm // t + 2 * d) * e}[layout]
+
+
+def run_recompute(make_model, recompute, idx, n_layer):
+    """(loss, {name: grad}, saved bytes, ledger counts of the backward) for one forward/backward."""
+    model = make_model(n_layer)
+    model.recompute = recompute
+    with checkpointing.SavedBytes(model) as meter:
+        loss = model(idx, idx)[1]
+    parallel.LEDGER.reset()
+    loss.backward()
+    return loss, {n: p.grad for n, p in model.named_parameters()}, meter.bytes, dict(parallel.LEDGER.counts)
+
+
+def check_recompute(make_model, layout, cfg, t, idx):
+    ref = run_recompute(make_model, "none", idx, 2)
+    for mode in ("layer", "lowrank"):
+        loss, grads, _, _ = run_recompute(make_model, mode, idx, 2)
+        torch.testing.assert_close(loss, ref[0])
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref[1][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {name}: {m}")
+    tokens = idx.numel()
+    saved = {mode: [run_recompute(make_model, mode, idx, n)[2] for n in (2, 4)] for mode in checkpointing.RECOMPUTE}
+    per_layer = {mode: (v[1] - v[0]) / 2 / tokens for mode, v in saved.items()}
+    assert per_layer["lowrank"] == lowrank_saved_per_token(layout, cfg, t), (layout, per_layer)
+    assert per_layer["layer"] == (cfg.n_embd // t if layout == "btp" else cfg.n_embd) * 4, (layout, per_layer)
+    assert per_layer["layer"] < per_layer["lowrank"] < per_layer["none"] / 2
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["svd", "cola"])
+@pytest.mark.parametrize("size", [dict(n_embd=64, attn_rank=16, mlp_rank=24), dict(n_embd=96, n_head=6, n_kv_head=3, attn_rank=12, mlp_rank=20)])
+def test_recompute_one_device(arch, size):
+    cfg_of = lambda n: Config(**{**dict(n_head=8, n_kv_head=4, block_size=16, vocab_size=128), **size,
+                                 "arch": arch, "n_layer": n})
+    def make_model(n_layer):
+        torch.manual_seed(0)
+        return Llama(cfg_of(n_layer))
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    check_recompute(make_model, "one", cfg_of(2), 1, idx)
+
+
+def test_recompute_flops_lowrank_below_layer():
+    from torch.utils.flop_counter import FlopCounterMode
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    flops = {}
+    for mode in checkpointing.RECOMPUTE:
+        torch.manual_seed(0)
+        model = Llama(small_cfg("cola", 4), recompute=mode)
+        with FlopCounterMode(display=False) as counter:
+            model(idx, idx)[1].backward()
+        flops[mode] = counter.get_total_flops()
+    recompute = {mode: flops[mode] - flops["none"] for mode in ("layer", "lowrank")}
+    assert 0 < recompute["lowrank"] < recompute["layer"], flops
+
+
+def _recompute_worker(rank, world):
+    env = parallel.TP(dist.group.WORLD, rank, world)
+    parallel.LEDGER.name(dist.group.WORLD, "tp")
+    for layout, size in (("btp", dict(n_embd=64, attn_rank=16, mlp_rank=24)),
+                         ("btp", dict(n_embd=128, attn_rank=32, mlp_rank=32)),
+                         ("vanilla", dict(n_embd=64, attn_rank=16, mlp_rank=24))):
+        cfg_of = lambda n: Config(**{**dict(n_head=8, n_kv_head=4, block_size=16, vocab_size=128), **size,
+                                     "arch": "cola", "n_layer": n})
+        def make_model(n_layer):
+            torch.manual_seed(0)
+            return parallel.TPLlama(Llama(cfg_of(n_layer)), env, layout)
+        idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        ref = check_recompute(make_model, layout, cfg_of(2), world, idx)
+        backward = {mode: run_recompute(make_model, mode, idx, 2)[3] for mode in ("lowrank", "layer")}
+        if layout == "btp":   # communication-free: the backward issues exactly the collectives of none
+            assert backward["lowrank"] == ref[3], (backward["lowrank"], ref[3])
+        replayed = {k: v for k, v in backward["layer"].items() if k[2] == "fwd"}
+        assert replayed and {k: v for k, v in backward["layer"].items() if k[2] == "bwd"} == ref[3]
+        if layout == "vanilla":  # its segments hold the all-reduces of the B outputs: recompute replays them
+            assert any(k[2] == "fwd" for k in backward["lowrank"])
+
+
+def test_recompute_tp2_btp_and_vanilla():
+    spawn(2, _recompute_worker)

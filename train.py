@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpointing
 import data
 import parallel
 from model import ARCHS, Config, Llama, estimate_mfu
@@ -57,6 +58,7 @@ class TrainConfig:
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / tp
     tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
+    recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
     # system
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
@@ -68,7 +70,8 @@ class TrainConfig:
 
 
 CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume"),
-           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + parallel.LAYOUTS}
+           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + parallel.LAYOUTS,
+           "recompute": checkpointing.RECOMPUTE}
 CKPT = "ckpt.pt"
 
 
@@ -234,6 +237,7 @@ def main(argv):
         cfg.vocab_size = 64 * math.ceil(data.get_tokenizer(tc.tokenizer).n_vocab / 64)  # padded: fast, divisible
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp, layout = plan_parallel(cfg, tc, world)
+        checkpointing.check_recompute(cfg, tc.recompute)
         ckpt = read_checkpoint(tc, cfg) if tc.init_from == "resume" else None
         check_writable(tc.out_dir)
     except ValueError as e:
@@ -281,7 +285,7 @@ def main(argv):
 
     # -------------------------------------------------------------- model and optimizer
     torch.manual_seed(tc.seed)
-    raw_model = Llama(cfg)
+    raw_model = Llama(cfg, recompute=tc.recompute)
     if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
     n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
