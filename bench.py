@@ -3,6 +3,7 @@
     python bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
     python bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
     python bench.py tp       # ms/iteration and TP MB/iteration of the three layouts at --tp (torchrun)
+    python bench.py recompute  # Table 3: activation memory saved per ms of recompute, layer vs lowrank
 
 Each prints a markdown table and writes bench-<name>.json. Each comparison is measured in one run,
 one configuration after the other, since these machines are noisy. Extra `--key=value` arguments
@@ -104,6 +105,63 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     dist.destroy_process_group()
 
 
+def _recompute_worker(rank, world, store, cfg_kwargs, batch, iters, result):
+    import time
+    import torch
+    import torch.distributed as dist
+    import parallel
+    from checkpointing import RECOMPUTE, SavedBytes
+    from model import Config, Llama
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
+    env = parallel.TP(dist.group.WORLD, rank, world)
+    cfg = Config(**cfg_kwargs)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    models = {}
+    for mode in RECOMPUTE:
+        torch.manual_seed(0)
+        models[mode] = parallel.TPLlama(Llama(cfg, recompute=mode), env, "btp" if cfg.lowrank else "megatron")
+    out = {mode: {"ms": []} for mode in RECOMPUTE}
+    for mode, model in models.items():
+        with SavedBytes(model) as meter:
+            model(idx, idx)[1].backward()
+        out[mode]["saved_mb"] = meter.bytes / 1e6
+    for i in range(iters + 2):          # interleaved, so that drifts of the machine hit every mode alike
+        for mode, model in models.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(idx, idx)[1].backward()
+            dist.barrier()
+            if i >= 2:
+                out[mode]["ms"].append(1000 * (time.perf_counter() - t0))
+    if rank == 0:
+        Path(result).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_recompute(iters, extra, tp):
+    import torch.multiprocessing as mp
+    import train
+    cfg, tc = train.parse_args(extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_recompute_worker, args=(tp, f"{tmp}/store", cfg.shape(), tc.batch_size, iters,
+                                                   f"{tmp}/out.json"), nprocs=tp, start_method="spawn")
+        out = json.loads(Path(f"{tmp}/out.json").read_text())
+    base_ms = statistics.median(out["none"]["ms"])
+    rows = []
+    for mode, r in out.items():
+        r["ms"] = statistics.median(r["ms"])
+        saved, extra_ms = out["none"]["saved_mb"] - r["saved_mb"], r["ms"] - base_ms
+        r.update(saved_vs_none_mb=saved, extra_ms=extra_ms)
+        rows.append([mode, f"{r['saved_mb']:.1f}", f"{saved:.1f}", f"{r['ms']:.1f}", f"{extra_ms:+.1f}",
+                     f"{saved / extra_ms:.2f}" if mode != "none" and extra_ms > 0 else "-"])
+    title = (f"arch={cfg.arch}, btp, tp={tp}, n_layer={cfg.n_layer}, d={cfg.n_embd}, r={cfg.attn_rank}, "
+             f"batch {tc.batch_size} x {cfg.block_size} tokens, per rank, fp32")
+    return title + "\n\n" + table(["recompute", "saved MB", "MB less than none", "ms/iter (fwd+bwd)",
+                                    "extra ms", "MB saved per ms"], rows), out
+
+
 def bench_traffic(extra, tp):
     import torch.multiprocessing as mp
     from model import Config
@@ -123,7 +181,7 @@ def bench_traffic(extra, tp):
 
 
 def main(argv):
-    if not argv or argv[0] not in ("archs", "traffic", "tp"):
+    if not argv or argv[0] not in ("archs", "traffic", "tp", "recompute"):
         sys.exit(__doc__)
     what, iters, tp, extra = argv[0], 300, 2, []
     for arg in argv[1:]:
@@ -137,6 +195,8 @@ def main(argv):
         text, out = bench_archs(iters, extra)
     elif what == "tp":
         text, out = bench_tp(iters, extra, tp)
+    elif what == "recompute":
+        text, out = bench_recompute(iters, extra, tp)
     else:
         text, out = bench_traffic(extra, tp)
     print(text)

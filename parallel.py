@@ -272,7 +272,7 @@ class BTPBlock(Sharded):
     def attn_chunk(self, HS, cos, sin):
         cfg, t = self.cfg, self.tp.size
         z = self.latent(HS)                                                      # (b, s, 3r)
-        q, k, v = kernels.grouped_up(list(z.split(cfg.attn_rank, -1)), [self.B_q, self.B_k, self.B_v])
+        q, k, v = kernels.grouped_up(z, [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         return y @ self.A_o.t()                                                  # (b, s, r) partial
 
@@ -283,7 +283,7 @@ class BTPBlock(Sharded):
 
     def mlp_chunk(self, HS):
         z = self.latent(HS)                                                      # (b, s, 2r)
-        gate, up = kernels.grouped_up(list(z.split(self.cfg.mlp_rank, -1)), [self.B_gate, self.B_up])
+        gate, up = kernels.grouped_up(z, [self.B_gate, self.B_up])
         h = gated_product(self.cfg.arch, gate, up)                               # (b, s, f/t)
         return h @ self.A_down.t()                                               # (b, s, r) partial
 
@@ -320,7 +320,7 @@ class VanillaBlock(Sharded):
         return Reduce.apply(self.act(z) @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
 
     def qkv_down(self, x):
-        h = F.rms_norm(x, (self.cfg.n_embd,), self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
+        h = kernels.rms_norm(x, self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
         return self.down(h, "attn_q", "attn_k", "attn_v")                         # (b, s, 3r/t)
 
     def attn_chunk(self, z, cos, sin):
@@ -332,7 +332,7 @@ class VanillaBlock(Sharded):
 
     def o_chunk(self, u, x):
         x = x + self.up(u, "attn_o")                                              # (b, s, d)
-        h = F.rms_norm(x, (self.cfg.n_embd,), self.mlp_norm, self.cfg.norm_eps)
+        h = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
         return x, self.down(h, "mlp_gate", "mlp_up")                              # (b, s, 2r/t)
 
     def mlp_chunk(self, z):
@@ -363,11 +363,11 @@ class MegatronBlock(Sharded):
 
     def forward(self, x, cos, sin):
         cfg, t, g = self.cfg, self.tp.size, self.tp.group
-        h = Copy.apply(F.rms_norm(x, (cfg.n_embd,), self.attn_norm, cfg.norm_eps), g)  # (b, s, d)
+        h = Copy.apply(kernels.rms_norm(x, self.attn_norm, cfg.norm_eps), g)  # (b, s, d)
         y = causal_attention(h @ self.W_q.t(), h @ self.W_k.t(), h @ self.W_v.t(),
                              cfg.n_head // t, cfg.n_kv_head // t, cos, sin)           # (b, s, d/t)
         x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
-        h = Copy.apply(F.rms_norm(x, (cfg.n_embd,), self.mlp_norm, cfg.norm_eps), g)
+        h = Copy.apply(kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps), g)
         a = gated_product(cfg.arch, h @ self.W_gate.t(), h @ self.W_up.t())           # (b, s, f/t)
         return x + Reduce.apply(a @ self.W_down.t(), g)                               # (b, s, d)
 
@@ -401,7 +401,7 @@ class TPLlama(Sharded):
         x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         if self.layout == "btp":
             x = Gather.apply(x, g)                                  # (b, s, d)
-        x = Copy.apply(F.rms_norm(x, (self.cfg.n_embd,), self.norm, self.cfg.norm_eps), g)
+        x = Copy.apply(kernels.rms_norm(x, self.norm, self.cfg.norm_eps), g)
         if targets is None:
             return _all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
         logits = x @ self.lm_head.t()                               # (b, s, V/t)

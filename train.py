@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpointing
 import data
+import kernels
 import parallel
 from model import ARCHS, Config, Llama, estimate_mfu
 from parallel import LEDGER
@@ -59,6 +60,7 @@ class TrainConfig:
     dp: int = 0                    # data-parallel degree; 0: world size / tp
     tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
     recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
+    kernels: str = "auto"          # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     # system
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
@@ -71,7 +73,7 @@ class TrainConfig:
 
 CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume"),
            "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + parallel.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE}
+           "recompute": checkpointing.RECOMPUTE, "kernels": kernels.BACKENDS}
 CKPT = "ckpt.pt"
 
 
@@ -238,13 +240,14 @@ def main(argv):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp, layout = plan_parallel(cfg, tc, world)
         checkpointing.check_recompute(cfg, tc.recompute)
+        device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        kernels.select(tc.kernels, device)
         ckpt = read_checkpoint(tc, cfg) if tc.init_from == "resume" else None
         check_writable(tc.out_dir)
     except ValueError as e:
         fail(e)
 
     # -------------------------------------------------------------- processes, device, precision
-    device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dp_rank, dp_group, tp = 0, None, None
     if world > 1:
         if device == "cuda":
