@@ -1,7 +1,7 @@
-"""checkpointing.py: communication-free low-rank activation checkpointing, and the saved-bytes meter.
+"""checkpointing.py: low-rank activation checkpointing, and sharded training-state checkpoints.
 
-BOOST (arXiv 2512.12131) section 5. `--recompute=` chooses what autograd keeps between forward and
-backward:
+Part 1, activation checkpointing, BOOST (arXiv 2512.12131) section 5. `--recompute=` chooses what
+autograd keeps between forward and backward:
 
   none     everything the ops save (many d- and d_ff-sized tensors per layer).
   layer    whole-block recompute (torch.utils.checkpoint, non-reentrant): each layer keeps only its
@@ -30,8 +30,25 @@ attention and rm for the MLP):
                                                   each B ends in an all-reduce inside its segment,
                                                   so recompute replays them (the paper's point)
 With `layer`: d/t·e (btp) or d·e (one device, vanilla, megatron) per token per layer.
+
+Part 2, training-state checkpoints (what a run of days needs; not in the paper). Saved through
+torch.distributed.checkpoint (DCP): every rank writes its own shards, nothing is gathered. Each
+tensor is stored under its single-device name (`model.layers.0.attn.q.A.weight`,
+`optim.exp_avg.<same>`) as a DTensor sharded like the layout holds it, so DCP can load it into any
+other layout (tp=2 -> 1, 4, dp×tp 2×2) or into one process. A checkpoint is a folder
+<out_dir>/checkpoints/iter_NNNNNNN/ with the DCP files and meta.json (iteration, config, file
+sizes), written under a temporary name and renamed when complete; the data position is the
+iteration (batches are drawn from (seed, step)).
 """
+import glob
+import json
+import logging
+import os
+import shutil
+import warnings
+
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import model as llama
@@ -152,3 +169,162 @@ class SavedBytes:
     @property
     def bytes(self):
         return sum(self.storages.values())
+
+
+# ------------------------------------------------------------------------ training-state checkpoints
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _pieces(raw_model):
+    """(local parameter, full name, rows in the local tensor, shard dim or None) for every piece."""
+    params = dict(raw_model.named_parameters())
+    if not hasattr(raw_model, "named_specs"):
+        return [(p, n, slice(None), None) for n, p in params.items()]
+    out = []
+    for name, spec in raw_model.named_specs():
+        start = 0
+        for piece, rows in zip(spec.pieces, spec.rows):
+            out.append((params[name], piece, slice(start, start + rows), spec.dim))
+            start += rows
+    return out
+
+
+def state_views(raw_model, optimizer, mesh):
+    """{key: tensor} of views into this rank's parameters and AdamW moments, under single-device
+    names; DTensors on the (dp, tp) mesh when distributed. DCP saves from them and loads into them."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    for p in raw_model.parameters():  # AdamW makes its state lazily: make it now, to load into
+        if not optimizer.state[p]:
+            optimizer.state[p].update(step=torch.zeros(()), **{k: torch.zeros_like(p) for k in MOMENTS})
+    views = {}
+    for p, name, rows, dim in _pieces(raw_model):
+        for key, tensor in [("model." + name, p.data)] + [(f"optim.{k}.{name}", optimizer.state[p][k]) for k in MOMENTS]:
+            view = tensor[rows]
+            if mesh is not None:
+                view = DTensor.from_local(view, mesh, [Replicate(), Replicate() if dim is None else Shard(dim)])
+            views[key] = view
+    views["optim.step"] = optimizer.state[next(raw_model.parameters())]["step"]
+    return views
+
+
+def checkpoint_dirs(out_dir):
+    """Complete checkpoints (published folders with meta.json), oldest first."""
+    return sorted(d for d in glob.glob(os.path.join(out_dir, "checkpoints", "iter_*"))
+                  if not d.endswith(".tmp") and os.path.exists(os.path.join(d, "meta.json")))
+
+
+def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_publish=None):
+    """Every rank writes its shards into iter_N.tmp; rank 0 records meta.json, renames, prunes."""
+    import torch.distributed.checkpoint as dcp
+    final = os.path.join(out_dir, "checkpoints", f"iter_{iter_num:07d}")
+    tmp = final + ".tmp"
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+    with warnings.catch_warnings():  # DCP warns that one process means no process group: we know
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state_views(raw_model, optimizer, mesh), checkpoint_id=tmp, no_dist=mesh is None)
+    if dist.is_initialized():
+        dist.barrier()
+    if before_publish:
+        before_publish()  # the fault-injection hook of the tests: die before the rename
+    if master:
+        sizes = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({**meta, "iter_num": iter_num, "files": sizes}, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic: a reader sees the old set of checkpoints or the new one
+        for old in checkpoint_dirs(out_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def read_meta(path, config):
+    """meta.json of a checkpoint, checked: files whole, model shape equal (naming the field)."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        for name, size in meta["files"].items():
+            actual = os.path.getsize(os.path.join(path, name))
+            if actual != size:
+                raise ValueError(f"checkpoint {path} is truncated or corrupt: {name} has {actual} bytes, "
+                                 f"{size} were written")
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__}: {e})") from None
+    for key, value in config.items():
+        if meta["config"].get(key) != value:
+            raise ValueError(f"checkpoint {path} was written with {key}={meta['config'].get(key)}, "
+                             f"this run has {key}={value}: pass the same model options")
+    return meta
+
+
+def load(path, raw_model, optimizer, mesh):
+    """Load a checkpoint into this rank's parameters and moments, whatever layout wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    views = state_views(raw_model, optimizer, mesh)
+    error = None
+    dcp_log = logging.getLogger()  # DCP's loader logs its failures with tracebacks on the root logger
+    level = dcp_log.level
+    dcp_log.setLevel(logging.CRITICAL)  # our one-line error says it instead
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(views, checkpoint_id=path, no_dist=mesh is None)
+    except (Exception, CheckpointException) as e:  # corrupt files: any error of DCP or of unpickling
+        error = f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})"
+    finally:
+        dcp_log.setLevel(level)
+    if dist.is_initialized():  # all ranks fail together, none is left waiting in a collective
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, error)
+        error = next((e for e in box if e), None)
+    if error:
+        raise ValueError(error)
+    step = views["optim.step"]
+    for p in raw_model.parameters():
+        optimizer.state[p]["step"] = step.clone()
+
+
+def export(path, out_file):
+    """One unsharded file (torch.save) of a checkpoint: {'model': state dict, 'config': ...}."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    tmp = out_file + ".dcp.tmp"
+    dcp_to_torch_save(path, tmp)
+    flat = torch.load(tmp, weights_only=False)
+    os.remove(tmp)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    model = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+    torch.save({"model": model, "config": meta["config"], "tokenizer": meta.get("tokenizer", "bytes")}, out_file)
+
+
+def load_exported(out_file):
+    """A model.Llama from an exported file."""
+    blob = torch.load(out_file, weights_only=True)
+    m = llama.Llama(llama.Config(**blob["config"]))
+    m.load_state_dict(blob["model"])
+    return m, blob["tokenizer"]
+
+
+if __name__ == "__main__":
+    import sys
+    usage = ("usage: python checkpointing.py export <checkpoint folder> <file.pt>\n"
+             "       python checkpointing.py sample <file.pt> [tokens]")
+    if len(sys.argv) >= 4 and sys.argv[1] == "export":
+        export(sys.argv[2], sys.argv[3])
+        print(f"exported {sys.argv[2]} to {sys.argv[3]}")
+    elif len(sys.argv) >= 3 and sys.argv[1] == "sample":
+        import data
+        m, tokenizer = load_exported(sys.argv[2])
+        enc = data.get_tokenizer(tokenizer)
+        out = m.generate(torch.tensor([[enc.eot_token]]), int(sys.argv[3]) if len(sys.argv) > 3 else 200, top_k=50)
+        print(enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab]))
+    else:
+        sys.exit(usage)

@@ -18,6 +18,7 @@ Every layout starts from the single-device Llama's weights (built from one seed,
 `Spec` of each parameter) and is tested against it: same loss, same gradients.
 """
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
@@ -174,7 +175,17 @@ def init_mesh(dp, tp, device_type, timeout_s):
     """The (dp, tp) DeviceMesh over the torchrun world, TP innermost (TP peers are adjacent ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        backend, timeout = ("nccl" if device_type == "cuda" else "gloo"), timedelta(seconds=timeout_s)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            # torchrun's store outlives a restarted worker group, and so do the old group's addresses
+            # in it: each attempt keeps its keys under its own prefix, or peers dial dead processes.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"boost/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     LEDGER.name(mesh.get_group("tp"), "tp")
     LEDGER.name(mesh.get_group("dp"), "dp")

@@ -5,6 +5,7 @@ parallel), resume, and every bad input's one-line error. Run: .venv/bin/python -
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,13 +50,20 @@ def losses(records):
     return [r["loss"] for r in records if "loss" in r]
 
 
-def torchrun(nproc, *args, timeout=300):
+def torchrun(nproc, *args, timeout=300, launcher=(), check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train.py"), *args]
+           *launcher, str(ROOT / "train.py"), *args]
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "train.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    if check:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res
+
+
+def metrics(out_dir):
+    return [json.loads(x) for x in open(Path(out_dir) / "metrics.jsonl")]
 
 
 # ---------------------------------------------------------------------------- model
@@ -250,12 +258,25 @@ def test_bad_corpora(capsys, tmp_path):
 
 
 def test_bad_checkpoints(capsys, tmp_path, data_dir):
-    expect_error(capsys, [f"--out_dir={tmp_path}", "--init_from=resume"], "no checkpoint at")
+    out = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY]
+    expect_error(capsys, [*out, "--init_from=resume"], "no complete checkpoint in")
     run_train(tmp_path, data_dir, "--max_iters=2", "--eval_interval=2", "--arch=cola")
-    expect_error(capsys, [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--init_from=resume",
-                          "--arch=full"], "written with arch=cola, this run has arch=full")
-    (tmp_path / "ckpt.pt").write_bytes((tmp_path / "ckpt.pt").read_bytes()[:1000])
-    expect_error(capsys, [f"--out_dir={tmp_path}", "--init_from=resume"], "unreadable or corrupt")
+    expect_error(capsys, [*out, "--init_from=resume", "--arch=full"], "written with arch=cola, this run has arch=full")
+    expect_error(capsys, [*out, "--init_from=resume", "--mlp_rank=4"], "written with mlp_rank=8, this run has mlp_rank=4")
+    expect_error(capsys, [*out, "--init_from=resume", "--n_embd=64"], "written with n_embd=32, this run has n_embd=64")
+    expect_error(capsys, [*out[:1], f"--data_dir={tmp_path / 'gpt2data'}", *TINY, "--init_from=resume",
+                          "--tokenizer=gpt2"], "written with vocab_size=320, this run has vocab_size=50304")
+    ckpt = Path(checkpointing.checkpoint_dirs(tmp_path)[-1])
+    metadata = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))  # same size, garbage
+    expect_error(capsys, [*out, "--init_from=resume"], "unreadable or corrupt")
+    (ckpt / ".metadata").write_bytes(metadata)
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    expect_error(capsys, [*out, "--init_from=resume"], "is truncated or corrupt", shard.name)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    expect_error(capsys, [f"--out_dir={blocker / 'out'}"], "cannot be written")
 
 
 def test_help_lists_every_option(capsys):
@@ -446,6 +467,7 @@ def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, 
 @pytest.mark.parametrize("world, argv, fragment", [
     (4, ["--tp=3"], "world size 4 is not dp × tp = 1 × 3"),
     (4, ["--tp=2", "--dp=3"], "world size 4 is not dp × tp = 3 × 2"),
+    (2, [], "gradient_accumulation_steps=1 is not divisible by the 2 data-parallel ranks"),
     (2, ["--tp=2", "--n_head=3", "--n_embd=48", "--n_kv_head=1"], "tp=2 does not divide n_head=3"),
     (2, ["--tp=2", "--n_kv_head=1"], "tp=2 does not divide n_kv_head=1"),
     (4, ["--tp=4", "--n_embd=18", "--n_head=1"], "tp=4 does not divide n_embd=18"),
@@ -630,3 +652,83 @@ def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir):
         runs[backend] = losses([json.loads(x) for x in open(tmp_path / backend / "metrics.jsonl")])
     assert len(runs["torch"]) == 3
     torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["torch"]), rtol=1e-5, atol=1e-5)
+
+
+
+# ---------------------------------------------------------------------------- training checkpoints
+
+CKPT_RUN = ["--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8", "--n_kv_head=4", "--batch_size=2",
+            "--gradient_accumulation_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_dir):
+    """Losses of an uninterrupted 8-iteration single-process run."""
+    return losses(run_train(tmp_path_factory.mktemp("straight"), data_dir, *CKPT_RUN))
+
+
+def test_checkpoint_reshards_across_layouts(tmp_path, data_dir, straight):
+    common = [f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
+    torchrun(2, f"--out_dir={tmp_path / 'tp2'}", *common, "--max_iters=4", "--tp=2")
+    written = checkpointing.checkpoint_dirs(tmp_path / "tp2")
+    assert [Path(d).name for d in written] == ["iter_0000004"]
+    for name, nproc, layout in (("tp1", 1, []), ("tp4", 4, ["--tp=4"]), ("dp2tp2", 4, ["--tp=2", "--dp=2"])):
+        shutil.copytree(tmp_path / "tp2" / "checkpoints", tmp_path / name / "checkpoints")
+        res = torchrun(nproc, f"--out_dir={tmp_path / name}", *common, "--init_from=resume", *layout)
+        assert "resuming from" in res.stdout and "iter_0000004" in res.stdout
+        resumed = losses(metrics(tmp_path / name))
+        assert len(resumed) == 4, name
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[4:]), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"resumed at {name}: {m}")
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, data_dir, straight):
+    common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=12"]
+    res = torchrun(1, *common, "--inject_fault=kill_in_save:8", check=False)
+    assert res.returncode != 0
+    assert [Path(d).name for d in checkpointing.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
+    assert (tmp_path / "checkpoints" / "iter_0000008.tmp").is_dir()  # the half-written one, ignored
+    (tmp_path / "metrics.jsonl").unlink()
+    res = torchrun(1, *common[:-1], "--max_iters=8", "--init_from=resume")
+    assert "resuming from" in res.stdout and "iter_0000004" in res.stdout
+    assert losses(metrics(tmp_path)) == straight[4:]  # exact: same layout, same state
+
+
+def test_killed_rank_restarts_and_finishes_like_uninterrupted(tmp_path, data_dir, straight):
+    common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--init_from=auto"]
+    res = torchrun(2, *common, "--inject_fault=kill:6", launcher=["--max-restarts=1"], timeout=400)
+    assert "resuming from" in res.stdout and "iteration 4" in res.stdout
+    records = metrics(tmp_path)
+    assert [r["iter"] for r in records if "loss" in r] == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7]
+    torch.testing.assert_close(torch.tensor(losses(records)[-4:]), torch.tensor(straight[4:]), rtol=1e-5, atol=1e-5)
+    single = run_train(tmp_path / "one", data_dir, *CKPT_RUN)
+    torch.testing.assert_close(torch.tensor(records[-1]["val_loss"]), torch.tensor(single[-1]["val_loss"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, straight):
+    common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
+    res = torchrun(1, *common, "--inject_fault=nan:6", check=False)
+    assert res.returncode == 2
+    assert "not finite at iteration 6" in res.stderr and "iter_0000004) is untouched" in res.stderr
+    assert [Path(d).name for d in checkpointing.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
+    (tmp_path / "metrics.jsonl").unlink()
+    torchrun(1, *common, "--init_from=resume")
+    assert losses(metrics(tmp_path)) == straight[4:]
+
+
+def test_export_unsharded_and_generate(tmp_path, data_dir):
+    torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=4", "--tp=2")
+    ckpt = checkpointing.checkpoint_dirs(tmp_path)[-1]
+    subprocess.run([sys.executable, str(ROOT / "checkpointing.py"), "export", ckpt, str(tmp_path / "model.pt")],
+                   check=True, timeout=120, cwd=ROOT)
+    exported, tokenizer = checkpointing.load_exported(str(tmp_path / "model.pt"))
+    cfg, tc = train.parse_args([*TINY, *CKPT_RUN])
+    cfg.vocab_size = 320
+    direct = Llama(cfg)
+    opt = train.configure_optimizer(direct, tc)
+    checkpointing.load(ckpt, direct, opt, None)  # the sharded checkpoint read by one process
+    assert tokenizer == "bytes"
+    for (name, a), b in zip(exported.state_dict().items(), direct.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert exported.generate(torch.zeros(1, 1, dtype=torch.long), 10).shape == (1, 11)

@@ -38,7 +38,9 @@ class TrainConfig:
     eval_interval: int = 250       # evaluate and save a checkpoint every this many iterations
     log_interval: int = 10
     eval_iters: int = 20           # batches per split in each evaluation
-    init_from: str = "scratch"     # scratch | resume (from <out_dir>/ckpt.pt)
+    init_from: str = "scratch"     # scratch | resume (the newest complete checkpoint) | auto (resume if one exists)
+    keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
+    inject_fault: str = ""         # for tests: kill:N, nan:N or kill_in_save:N (first attempt only)
     # data
     dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded) or a text file or folder
     tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
@@ -71,10 +73,10 @@ class TrainConfig:
     timeout_s: int = 600           # process-group timeout
 
 
-CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume"),
+CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
            "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + parallel.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "kernels": kernels.BACKENDS}
-CKPT = "ckpt.pt"
+FAULTS = ("kill", "nan", "kill_in_save")
 
 
 def fail(msg):
@@ -133,6 +135,8 @@ def parse_args(argv):
     for name in ("max_iters", "dp"):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
+    if tc.inject_fault and (tc.inject_fault.split(":")[0] not in FAULTS or not tc.inject_fault.split(":")[-1].isdigit()):
+        raise ValueError(f"inject_fault={tc.inject_fault} is not kill:N, nan:N or kill_in_save:N")
     if tc.dataset != data.EMBEDDED and not os.path.exists(tc.dataset):
         raise ValueError(f"dataset path {tc.dataset} does not exist")
     return Config(**given[Config]), tc
@@ -144,6 +148,9 @@ def plan_parallel(cfg, tc, world):
     if dp * tc.tp != world:
         raise ValueError(f"world size {world} is not dp × tp = {dp} × {tc.tp}: "
                          "set --dp and --tp, or torchrun --nproc_per_node")
+    if tc.gradient_accumulation_steps % dp:
+        raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by "
+                         f"the {dp} data-parallel ranks")
     layout = tc.tp_mode if tc.tp_mode != "auto" else ("btp" if cfg.lowrank else "megatron")
     if tc.tp > 1:
         parallel.check_divisible(cfg, tc.tp, layout)
@@ -169,27 +176,6 @@ def configure_optimizer(model, tc):
     return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2))
 
 
-def read_checkpoint(tc, cfg):
-    """The checkpoint to resume from, checked against this run's model shape (not vocab_size yet)."""
-    path = os.path.join(tc.out_dir, CKPT)
-    if not os.path.exists(path):
-        raise ValueError(f"--init_from=resume but there is no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        saved = ckpt["config"]
-    except Exception as e:
-        raise ValueError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})") from None
-    check_same_shape(saved, cfg.shape(), path, skip=("vocab_size",))
-    return ckpt
-
-
-def check_same_shape(saved, ours, path, skip=()):
-    for key, value in ours.items():
-        if key not in skip and saved.get(key) != value:
-            raise ValueError(f"checkpoint {path} was written with {key}={saved.get(key)}, "
-                             f"this run has {key}={value}: pass the same model options")
-
-
 def check_writable(out_dir):
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -200,34 +186,25 @@ def check_writable(out_dir):
         raise ValueError(f"out_dir {out_dir} cannot be written ({e.strerror})") from None
 
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+def fault_at(tc, kind, iter_num):
+    """True where --inject_fault asks for this fault now (never in a group torchrun restarted)."""
+    if not tc.inject_fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return False
+    what, it = tc.inject_fault.split(":")
+    return what == kind and int(it) == iter_num
 
 
-def training_state(raw_model, optimizer):
-    """Model weights and AdamW moments by the single-device model's names, whatever the layout
-    (TP shards are gathered: every TP rank must call this). Returns (model, optimizer) dicts."""
-    local = {n: p for n, p in raw_model.named_parameters()}
-    moments = {k: {n: optimizer.state[p][k] for n, p in local.items()} for k in MOMENTS}
-    step = optimizer.state[next(iter(local.values()))]["step"]
-    if isinstance(raw_model, parallel.TPLlama):
-        return raw_model.full_tensors(), {"step": step, **{k: raw_model.unshard(v) for k, v in moments.items()}}
-    return {n: p.detach() for n, p in local.items()}, {"step": step, **moments}
-
-
-def load_optimizer(raw_model, optimizer, saved):
-    """The inverse of training_state for the optimizer: cut this rank's moments from the full ones."""
-    moments = {k: raw_model.shard_from(saved[k]) if isinstance(raw_model, parallel.TPLlama) else saved[k]
-               for k in MOMENTS}
-    for n, p in raw_model.named_parameters():
-        optimizer.state[p] = {"step": saved["step"].clone(), **{k: moments[k][n].clone().to(p.device) for k in MOMENTS}}
-
-
-def save_checkpoint(path, model_state, optimizer_state, cfg, tc, iter_num):
-    """Write to a temporary name, then rename: the previous checkpoint is never damaged."""
-    ckpt = {"model": model_state, "optimizer": optimizer_state,
-            "iter_num": iter_num, "config": cfg.shape(), "train_config": asdict(tc)}
-    torch.save(ckpt, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def find_checkpoint(tc, cfg):
+    """The checkpoint to resume from (checked), or None to start from scratch."""
+    if tc.init_from == "scratch":
+        return None
+    found = checkpointing.checkpoint_dirs(tc.out_dir)
+    if not found:
+        if tc.init_from == "resume":
+            raise ValueError(f"--init_from=resume but there is no complete checkpoint in {tc.out_dir}/checkpoints")
+        return None
+    checkpointing.read_meta(found[-1], cfg.shape())
+    return found[-1]
 
 
 def main(argv):
@@ -242,13 +219,13 @@ def main(argv):
         checkpointing.check_recompute(cfg, tc.recompute)
         device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         kernels.select(tc.kernels, device)
-        ckpt = read_checkpoint(tc, cfg) if tc.init_from == "resume" else None
+        resume_from = find_checkpoint(tc, cfg)
         check_writable(tc.out_dir)
     except ValueError as e:
         fail(e)
 
     # -------------------------------------------------------------- processes, device, precision
-    dp_rank, dp_group, tp = 0, None, None
+    dp_rank, dp_group, tp, mesh = 0, None, None, None
     if world > 1:
         if device == "cuda":
             device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -258,9 +235,6 @@ def main(argv):
         tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp)
     master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
-    if tc.gradient_accumulation_steps % dp:
-        fail(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by the "
-             f"{dp} data-parallel ranks")
     micro_steps = tc.gradient_accumulation_steps // dp
     dtype = tc.dtype if tc.dtype != "auto" else \
         ("bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
@@ -289,19 +263,19 @@ def main(argv):
     # -------------------------------------------------------------- model and optimizer
     torch.manual_seed(tc.seed)
     raw_model = Llama(cfg, recompute=tc.recompute)
-    if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
     n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
     if tc.tp > 1:
         raw_model = parallel.TPLlama(raw_model, tp, layout)  # cut from the full model built above
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, tc)
     iter_num = 0
-    if ckpt is not None:
-        load_optimizer(raw_model, optimizer, ckpt["optimizer"])
-        iter_num = ckpt["iter_num"]
-        log(f"resuming from {os.path.join(tc.out_dir, CKPT)} at iteration {iter_num}")
-    ckpt = None  # free memory
+    if resume_from:
+        try:
+            checkpointing.load(resume_from, raw_model, optimizer, mesh)
+        except ValueError as e:
+            fail(e)
+        iter_num = checkpointing.read_meta(resume_from, cfg.shape())["iter_num"]
+        log(f"resuming from {resume_from} (iteration {iter_num})")
     model = torch.compile(raw_model) if tc.compile else raw_model
     if dp > 1:
         model = DDP(model, process_group=dp_group, device_ids=[device] if device.startswith("cuda") else None)
@@ -321,17 +295,24 @@ def main(argv):
         return t.item() / dp
 
     @torch.no_grad()
+    def shares(tokens, stream, step):
+        """This rank's micro-batches of the global batch of (stream, step): the same sequences,
+        split the same way, whatever the layout."""
+        for micro in range(micro_steps):
+            start = (micro * dp + dp_rank) * tc.batch_size
+            x, y = tokens.batch(tc.seed, stream, step, global_batch, start, tc.batch_size)
+            yield x.to(device), y.to(device)   # (b, s), (b, s)
+
     def estimate_loss():
-        """Mean loss over eval_iters fixed batches per split (the same batches at every evaluation)."""
+        """Mean loss over eval_iters fixed global batches per split (the same at every evaluation)."""
         model.eval()
         out = {}
         for split, tokens in splits.items():
             total = 0.0
             for k in range(tc.eval_iters):
-                x, y = tokens.batch(tc.seed, f"eval-{split}", k, tc.batch_size * dp, dp_rank * tc.batch_size, tc.batch_size)
-                with autocast:
-                    _, loss = model(x.to(device), y.to(device))
-                total += loss.item()
+                for x, y in shares(tokens, f"eval-{split}", k):
+                    with autocast:
+                        total += model(x, y)[1].item() / micro_steps
             out[split] = mean_over_dp(total / tc.eval_iters)
         model.train()
         return out
@@ -349,10 +330,13 @@ def main(argv):
             record = {"eval_train_loss": losses["train"], "val_loss": losses["val"]}
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if iter_num > 0:
-                state = training_state(raw_model, optimizer)
-                if master:
-                    save_checkpoint(os.path.join(tc.out_dir, CKPT), *state, cfg, tc, iter_num)
+                meta = {"config": cfg.shape(), "train_config": asdict(tc), "tokenizer": tc.tokenizer}
+                crash = (lambda: os._exit(1)) if fault_at(tc, "kill_in_save", iter_num) else None
+                checkpointing.save(tc.out_dir, iter_num, raw_model, optimizer, mesh, meta,
+                                   keep=tc.keep_checkpoints, before_publish=crash)
             t0 = time.time()  # evaluation is not training time
+        if fault_at(tc, "kill", iter_num) and int(os.environ.get("RANK", "0")) == world - 1:
+            os._exit(1)  # a rank dies mid-run; torchrun --max-restarts restarts the group
         if iter_num >= tc.max_iters:
             if master and record:
                 metrics.write(json.dumps({"iter": iter_num, **record}) + "\n")
@@ -360,18 +344,20 @@ def main(argv):
 
         loss_sum = 0.0
         LEDGER.reset()
-        for micro in range(micro_steps):
-            start = (micro * dp + dp_rank) * tc.batch_size  # this rank's share of the global batch
-            x, y = splits["train"].batch(tc.seed, "train", iter_num, global_batch, start, tc.batch_size)
-            x, y = x.to(device), y.to(device)   # (b, s), (b, s)
+        for micro, (x, y) in enumerate(shares(splits["train"], "train", iter_num)):
             sync = micro == micro_steps - 1 or dp == 1
             with (nullcontext() if sync else model.no_sync()), autocast:
                 _, loss = model(x, y)
                 loss = loss / micro_steps
+                if fault_at(tc, "nan", iter_num):
+                    loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.item()
-        if tc.grad_clip > 0:
-            parallel.clip_grad_norm(raw_model, tc.grad_clip)
+        grad_norm = parallel.clip_grad_norm(raw_model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        if not torch.isfinite(grad_norm):  # the same on every rank: gradients are all-reduced
+            last = checkpointing.checkpoint_dirs(tc.out_dir)
+            fail(f"the loss or its gradient is not finite at iteration {iter_num}; stopped before the "
+                 f"optimizer step. The last good checkpoint ({last[-1] if last else 'none'}) is untouched")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
