@@ -81,6 +81,7 @@ def bench_tp(iters, extra, tp):
 def _traffic_worker(rank, world, store, cfg_kwargs, result):
     import torch
     import torch.distributed as dist
+    import layouts
     import parallel
     from model import Config, Llama
     torch.set_num_threads(1)
@@ -92,7 +93,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
         totals = []
         for n_layer in (1, 2):
             cfg = Config(**{**cfg_kwargs, "arch": arch, "n_layer": n_layer, "block_size": s})
-            model = parallel.TPLlama(Llama(cfg), env, layout)
+            model = layouts.TPLlama(Llama(cfg), env, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
@@ -109,6 +110,7 @@ def _recompute_worker(rank, world, store, cfg_kwargs, batch, iters, result):
     import time
     import torch
     import torch.distributed as dist
+    import layouts
     import parallel
     from checkpointing import RECOMPUTE, SavedBytes
     from model import Config, Llama
@@ -120,7 +122,7 @@ def _recompute_worker(rank, world, store, cfg_kwargs, batch, iters, result):
     models = {}
     for mode in RECOMPUTE:
         torch.manual_seed(0)
-        models[mode] = parallel.TPLlama(Llama(cfg, recompute=mode), env, "btp" if cfg.lowrank else "megatron")
+        models[mode] = layouts.TPLlama(Llama(cfg, recompute=mode), env, "btp" if cfg.lowrank else "megatron")
     out = {mode: {"ms": []} for mode in RECOMPUTE}
     for mode, model in models.items():
         with SavedBytes(model) as meter:

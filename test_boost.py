@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointing
 import data
 import kernels
+import layouts
 import parallel
 import train
 from model import Bottleneck, Config, Llama
@@ -336,7 +337,7 @@ def _equivalence_worker(rank, world, meshes):
             tgt = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
             logits, loss = ref(idx, tgt)
             loss.backward()
-            tp_model = parallel.TPLlama(ref, env, layout)
+            tp_model = layouts.TPLlama(ref, env, layout)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], tgt[share])
@@ -428,7 +429,7 @@ def _ledger_worker(rank, world, result_file):
         for n_layer in (2, 4):
             torch.manual_seed(0)
             cfg = small_cfg(arch, n_layer)
-            model = parallel.TPLlama(Llama(cfg), env, layout)
+            model = layouts.TPLlama(Llama(cfg), env, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
@@ -555,7 +556,7 @@ def _recompute_worker(rank, world):
                                      "arch": "cola", "n_layer": n})
         def make_model(n_layer):
             torch.manual_seed(0)
-            return parallel.TPLlama(Llama(cfg_of(n_layer)), env, layout)
+            return layouts.TPLlama(Llama(cfg_of(n_layer)), env, layout)
         idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         ref = check_recompute(make_model, layout, cfg_of(2), world, idx)
         backward = {mode: run_recompute(make_model, mode, idx, 2)[3] for mode in ("lowrank", "layer")}

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointing
 import data
 import kernels
+import layouts
 import parallel
 from model import ARCHS, Config, Llama, estimate_mfu
 from parallel import LEDGER
@@ -74,7 +75,7 @@ class TrainConfig:
 
 
 CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
-           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + parallel.LAYOUTS,
+           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "kernels": kernels.BACKENDS}
 FAULTS = ("kill", "nan", "kill_in_save")
 
@@ -153,7 +154,7 @@ def plan_parallel(cfg, tc, world):
                          f"the {dp} data-parallel ranks")
     layout = tc.tp_mode if tc.tp_mode != "auto" else ("btp" if cfg.lowrank else "megatron")
     if tc.tp > 1:
-        parallel.check_divisible(cfg, tc.tp, layout)
+        layouts.check_divisible(cfg, tc.tp, layout)
     return dp, layout
 
 
@@ -265,7 +266,7 @@ def main(argv):
     raw_model = Llama(cfg, recompute=tc.recompute)
     n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
     if tc.tp > 1:
-        raw_model = parallel.TPLlama(raw_model, tp, layout)  # cut from the full model built above
+        raw_model = layouts.TPLlama(raw_model, tp, layout)  # cut from the full model built above
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, tc)
     iter_num = 0

@@ -1,0 +1,299 @@
+"""layouts.py: the three tensor-parallel layouts of a decoder, cut from the single-device model.
+
+BOOST (arXiv 2512.12131) sections 2-4. Notation: b batch, s sequence, d n_embd, f d_ff, kv the k/v
+width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
+
+  megatron  dense model. Column-parallel q/k/v and gate/up (heads and d_ff split), row-parallel o and
+            down, replicated residual. Forward: all-reduce d (attn) + d (MLP); backward the same.
+  vanilla   low-rank model, each A/B pair as its own Megatron MLP: A column-parallel over r, σ local,
+            B row-parallel + all-reduce of the full output; replicated residual, all heads on every
+            rank. Forward: d + 2kv (q, k, v) + d (o) + 2f (gate, up) + d (down); backward, one
+            all-reduce of each A's input gradient: 3d + d + 2d + f.
+  btp       bottleneck-aware TP: the residual stream sharded along d. Every bottleneck is a
+            row-parallel A (partial r-vector), one all-reduce of the latent, σ, column-parallel B.
+            RMSNorm is online (the sum of squares rides in the q/k/v and gate/up all-reduces), the
+            down-projections sharing an input are one GEMM, the up-projections one grouped GEMM.
+            Forward: (3r + 1) + r + (2r + 1) + r; backward 3r + r + 2r + r.
+
+Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
+`Spec` of each parameter) and is tested against it: same loss, same gradients.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from checkpointing import forward_chunks, run_layers
+from model import Llama, causal_attention, gated_product, latent_act
+from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, _all_gather_last
+
+LAYOUTS = ("btp", "vanilla", "megatron")
+
+
+def check_divisible(cfg, tp, layout):
+    """A clear ValueError when the TP degree cannot split this model under this layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"tp_mode={layout} is not one of {', '.join(LAYOUTS)}")
+    if layout == "megatron" and cfg.lowrank:
+        raise ValueError(f"tp_mode=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
+    if layout != "megatron" and not cfg.lowrank:
+        raise ValueError(f"tp_mode={layout} splits bottlenecks; arch=full uses tp_mode=megatron")
+    splits = {"vocab_size": cfg.vocab_size}
+    if layout != "vanilla":
+        splits.update(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
+    else:
+        splits.update(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank)
+    for name, value in splits.items():
+        if value % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={value} (tp_mode={layout})")
+
+
+@dataclass
+class Spec:
+    """How a local parameter derives from the full model's: the full parameters `pieces`, each
+    split into t chunks along `dim` (None: replicated), this rank's chunks concatenated on dim 0
+    (`rows` of each in the local parameter)."""
+    pieces: list
+    dim: object
+    rows: list
+
+
+def take(full, spec, tp):
+    """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
+    parts = [full[p] if spec.dim is None else full[p].chunk(tp.size, spec.dim)[tp.tp_rank] for p in spec.pieces]
+    return torch.cat(parts, 0)
+
+
+class Sharded(nn.Module):
+    def __init__(self, tp, full):
+        super().__init__()
+        self.tp, self._full, self.specs = tp, full, {}
+
+    def shard(self, name, pieces, dim):
+        full_rows = [self._full[p].shape[0] for p in pieces]
+        spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
+        self.register_parameter(name, nn.Parameter(take(self._full, spec, self.tp).clone()))
+        self.specs[name] = spec
+
+
+class BTPBlock(Sharded):
+    """One decoder layer under bottleneck-aware TP; the residual stream x is (b, s, d/t)."""
+
+    def __init__(self, cfg, tp, full, p):
+        super().__init__(tp, full)
+        self.cfg, self.act = cfg, latent_act(cfg.arch)
+        self.shard("attn_norm", [p + "attn_norm.weight"], 0)
+        self.shard("A_qkv", [p + f"attn.{n}.A.weight" for n in "qkv"], 1)  # (3r, d/t): one GEMM
+        for n in "qkv":
+            self.shard(f"B_{n}", [p + f"attn.{n}.B.weight"], 0)            # (heads/t·hd, r)
+        self.shard("A_o", [p + "attn.o.A.weight"], 1)                      # (r, d/t)
+        self.shard("B_o", [p + "attn.o.B.weight"], 0)                      # (d/t, r)
+        self.shard("mlp_norm", [p + "mlp_norm.weight"], 0)
+        self.shard("A_gu", [p + "mlp.gate.A.weight", p + "mlp.up.A.weight"], 1)  # (2r, d/t)
+        self.shard("B_gate", [p + "mlp.gate.B.weight"], 0)                 # (f/t, r)
+        self.shard("B_up", [p + "mlp.up.B.weight"], 0)
+        self.shard("A_down", [p + "mlp.down.A.weight"], 1)                 # (r, f/t)
+        self.shard("B_down", [p + "mlp.down.B.weight"], 0)                 # (d/t, r)
+
+    # The layer as BTP chunks (checkpointing.py recomputes them one by one): each chunk starts from
+    # a replicated latent after its all-reduce and ends with the local partial product of the next A.
+    def reduce(self, partial):
+        return Reduce.apply(partial, self.tp.group)
+
+    def latent(self, HS):
+        """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S] (online RMSNorm, §3), replicated."""
+        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:] / self.cfg.n_embd + self.cfg.norm_eps)
+        return Copy.apply(self.act(z), self.tp.group)                            # (b, s, n)
+
+    def qkv_down(self, x):
+        H, S = kernels.norm_down(x, self.attn_norm, self.A_qkv)                  # (b, s, 3r), (b, s, 1)
+        return torch.cat([H.float(), S], -1)                                     # (b, s, 3r+1) partial
+
+    def attn_chunk(self, HS, cos, sin):
+        cfg, t = self.cfg, self.tp.size
+        z = self.latent(HS)                                                      # (b, s, 3r)
+        q, k, v = kernels.grouped_up(z, [self.B_q, self.B_k, self.B_v])
+        y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
+        return y @ self.A_o.t()                                                  # (b, s, r) partial
+
+    def o_chunk(self, u, x):
+        x = x + Copy.apply(self.act(u), self.tp.group) @ self.B_o.t()           # (b, s, d/t)
+        H, S = kernels.norm_down(x, self.mlp_norm, self.A_gu)                    # (b, s, 2r), (b, s, 1)
+        return x, torch.cat([H.float(), S], -1)                                  # (b, s, 2r+1) partial
+
+    def mlp_chunk(self, HS):
+        z = self.latent(HS)                                                      # (b, s, 2r)
+        gate, up = kernels.grouped_up(z, [self.B_gate, self.B_up])
+        h = gated_product(self.cfg.arch, gate, up)                               # (b, s, f/t)
+        return h @ self.A_down.t()                                               # (b, s, r) partial
+
+    def down_chunk(self, u, x):
+        return x + Copy.apply(self.act(u), self.tp.group) @ self.B_down.t()     # (b, s, d/t)
+
+    forward = forward_chunks
+
+
+class VanillaBlock(Sharded):
+    """One layer under vanilla low-rank TP: replicated x (b, s, d), each A/B pair a Megatron MLP."""
+
+    def __init__(self, cfg, tp, full, p):
+        super().__init__(tp, full)
+        self.cfg, self.act = cfg, latent_act(cfg.arch)
+        self.shard("attn_norm", [p + "attn_norm.weight"], None)
+        self.shard("mlp_norm", [p + "mlp_norm.weight"], None)
+        for name in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"):
+            key = name.replace(".", "_")
+            self.shard(f"{key}_A", [p + name + ".A.weight"], 0)    # (r/t, d_in)
+            self.shard(f"{key}_B", [p + name + ".B.weight"], 1)    # (d_out, r/t)
+
+    # The same chunk boundaries as BTP (checkpointing.py), but here the latents are local r/t
+    # slices and every B ends in an all-reduce of d_out, inside the chunk.
+    def reduce(self, partial):
+        return partial  # a column-parallel A gives this rank's latent slice whole
+
+    def down(self, h, *keys):
+        """Copy, then each column-parallel A: this rank's r/t latent slices, concatenated."""
+        return torch.cat([Copy.apply(h, self.tp.group) @ getattr(self, k + "_A").t() for k in keys], -1)
+
+    def up(self, z, key):
+        """σ, row-parallel B, all-reduce of the full d_out."""
+        return Reduce.apply(self.act(z) @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
+
+    def qkv_down(self, x):
+        h = kernels.rms_norm(x, self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
+        return self.down(h, "attn_q", "attn_k", "attn_v")                         # (b, s, 3r/t)
+
+    def attn_chunk(self, z, cos, sin):
+        cfg = self.cfg
+        zq, zk, zv = z.split(cfg.attn_rank // self.tp.size, -1)
+        y = causal_attention(self.up(zq, "attn_q"), self.up(zk, "attn_k"), self.up(zv, "attn_v"),
+                             cfg.n_head, cfg.n_kv_head, cos, sin)                 # all heads, (b, s, d)
+        return self.down(y, "attn_o")                                             # (b, s, r/t)
+
+    def o_chunk(self, u, x):
+        x = x + self.up(u, "attn_o")                                              # (b, s, d)
+        h = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
+        return x, self.down(h, "mlp_gate", "mlp_up")                              # (b, s, 2r/t)
+
+    def mlp_chunk(self, z):
+        zg, zu = z.split(self.cfg.mlp_rank // self.tp.size, -1)
+        a = gated_product(self.cfg.arch, self.up(zg, "mlp_gate"), self.up(zu, "mlp_up"))  # (b, s, f)
+        return self.down(a, "mlp_down")                                           # (b, s, r/t)
+
+    def down_chunk(self, u, x):
+        return x + self.up(u, "mlp_down")                                         # (b, s, d)
+
+    forward = forward_chunks
+
+
+class MegatronBlock(Sharded):
+    """One dense layer under Megatron TP: replicated x (b, s, d), heads and d_ff split."""
+
+    def __init__(self, cfg, tp, full, p):
+        super().__init__(tp, full)
+        self.cfg = cfg
+        self.shard("attn_norm", [p + "attn_norm.weight"], None)
+        self.shard("mlp_norm", [p + "mlp_norm.weight"], None)
+        for n in ("q", "k", "v"):
+            self.shard(f"W_{n}", [p + f"attn.{n}.weight"], 0)      # (heads/t·hd, d)
+        self.shard("W_o", [p + "attn.o.weight"], 1)                 # (d, d/t)
+        self.shard("W_gate", [p + "mlp.gate.weight"], 0)            # (f/t, d)
+        self.shard("W_up", [p + "mlp.up.weight"], 0)
+        self.shard("W_down", [p + "mlp.down.weight"], 1)            # (d, f/t)
+
+    def forward(self, x, cos, sin):
+        cfg, t, g = self.cfg, self.tp.size, self.tp.group
+        h = Copy.apply(kernels.rms_norm(x, self.attn_norm, cfg.norm_eps), g)  # (b, s, d)
+        y = causal_attention(h @ self.W_q.t(), h @ self.W_k.t(), h @ self.W_v.t(),
+                             cfg.n_head // t, cfg.n_kv_head // t, cos, sin)           # (b, s, d/t)
+        x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
+        h = Copy.apply(kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps), g)
+        a = gated_product(cfg.arch, h @ self.W_gate.t(), h @ self.W_up.t())           # (b, s, f/t)
+        return x + Reduce.apply(a @ self.W_down.t(), g)                               # (b, s, d)
+
+
+BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
+
+
+class TPLlama(Sharded):
+    """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss).
+
+    Logits come back vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without."""
+
+    def __init__(self, model, tp, layout):
+        check_divisible(model.cfg, tp.size, layout)
+        full = {k: v.detach() for k, v in model.state_dict().items()}
+        super().__init__(tp, full)
+        self.cfg, self.layout, self.recompute = model.cfg, layout, model.recompute
+        self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
+        self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.")
+                                    for i in range(model.cfg.n_layer))
+        self.shard("norm", ["norm.weight"], None)
+        self.shard("lm_head", ["lm_head.weight"], 0)                               # (V/t, d)
+        self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+        for m in self.modules():
+            m._full = None  # the full weights are not kept
+
+    def forward(self, idx, targets=None):
+        g = self.tp.group
+        x = F.embedding(idx, self.tok_emb)                          # (b, s, d/t) btp, else (b, s, d)
+        x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
+        if self.layout == "btp":
+            x = Gather.apply(x, g)                                  # (b, s, d)
+        x = Copy.apply(kernels.rms_norm(x, self.norm, self.cfg.norm_eps), g)
+        if targets is None:
+            return _all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
+        logits = x @ self.lm_head.t()                               # (b, s, V/t)
+        loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
+        return logits, loss
+
+    def named_specs(self):
+        """(local parameter name, Spec) for every parameter."""
+        for prefix, m in self.named_modules():
+            for name, spec in getattr(m, "specs", {}).items():
+                yield (f"{prefix}.{name}" if prefix else name), spec
+
+    def full_tensors(self, grads=False):
+        """The single-device model's parameters (or gradients), gathered over TP: {name: tensor}."""
+        return self.unshard({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
+
+    def unshard(self, local):
+        """{local name: tensor shaped like that parameter} -> {full-model name: full tensor}.
+        A collective over the TP group: every TP rank must call it."""
+        out = {}
+        for name, spec in self.named_specs():
+            local_t = local[name]
+            if spec.dim is None:
+                shards = [local_t] * self.tp.size
+            else:
+                shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
+                dist.all_gather(shards, local_t.contiguous(), group=self.tp.group)
+            for p, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
+                out[p] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
+        return out
+
+    def shard_from(self, full):
+        """{full-model name: tensor} -> {local name: this rank's tensor} (no communication)."""
+        return {name: take(full, spec, self.tp) for name, spec in self.named_specs()}
+
+    generate = Llama.generate
+
+    def grad_norm_sq(self):
+        """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""
+        params = dict(self.named_parameters())
+        sharded = replicated = torch.zeros((), dtype=torch.float64, device=self.norm.device)
+        for name, spec in self.named_specs():
+            g = params[name].grad
+            if g is None:
+                continue
+            sq = g.double().pow(2).sum()
+            if spec.dim is None:
+                replicated = replicated + sq
+            else:
+                sharded = sharded + sq
+        dist.all_reduce(sharded, group=self.tp.group)
+        return sharded + replicated
