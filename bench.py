@@ -2,12 +2,13 @@
 
     python bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
     python bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
-    python bench.py tp       # ms/iteration and TP MB/iteration of the three layouts at --tp (torchrun)
-    python bench.py recompute  # Table 3: activation memory saved per ms of recompute, layer vs lowrank
+    python bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
+    python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
 
 Each prints a markdown table and writes bench-<name>.json. Each comparison is measured in one run,
-one configuration after the other, since these machines are noisy. Extra `--key=value` arguments
-go to train.py (model size and so on); `--iters=N` sets the iterations per configuration.
+the configurations interleaved step by step, since these machines are noisy. Extra `--key=value`
+arguments set the model as in train.py; `--iters=N` the timed steps per configuration; `--tp=2,4`
+the TP degrees of `layouts`.
 """
 import json
 import os
@@ -64,20 +65,6 @@ def bench_archs(iters, extra):
     return table(["arch", "ms/iter", "tokens/s", f"val loss after {iters} iters"], rows), out
 
 
-def bench_tp(iters, extra, tp):
-    rows, out = [], {}
-    cases = [("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"), ("svd", "btp")]
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch, layout in cases:
-            key = f"{arch}/{layout}"
-            one = train_run(1, [f"--arch={arch}", f"--max_iters={iters}", "--eval_interval=100000", *extra], f"{tmp}/{key}-1")
-            rec = train_run(tp, [f"--arch={arch}", f"--tp={tp}", f"--tp_mode={layout}", f"--max_iters={iters}",
-                                 "--eval_interval=100000", *extra], f"{tmp}/{key}-tp")
-            out[key] = {"ms_tp1": steady(one, "ms"), "ms": steady(rec, "ms"), "tp_mb": [r for r in rec if "loss" in r][-1]["tp_bytes"] / 1e6}
-            rows.append([key, f"{out[key]['ms_tp1']:.1f}", f"{out[key]['ms']:.1f}", f"{out[key]['tp_mb']:.2f}"])
-    return table(["arch/layout", "ms/iter, 1 process", f"ms/iter, tp={tp}", "TP MB/iter"], rows), out
-
-
 def _traffic_worker(rank, world, store, cfg_kwargs, result):
     import torch
     import torch.distributed as dist
@@ -106,62 +93,108 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     dist.destroy_process_group()
 
 
-def _recompute_worker(rank, world, store, cfg_kwargs, batch, iters, result):
+VARIANTS = {  # name: (arch, layout or None for one device, recompute, BTP options)
+    "full": ("full", None, "none", {}), "svd": ("svd", None, "none", {}), "cola": ("cola", None, "none", {}),
+    "full/megatron": ("full", "megatron", "none", {}), "cola/vanilla": ("cola", "vanilla", "none", {}),
+    "svd/btp": ("svd", "btp", "none", {}), "cola/btp": ("cola", "btp", "none", {}),
+    "cola/btp separate norm all-reduce": ("cola", "btp", "none", {"online_norm": False}),
+    "cola/btp ungrouped projections": ("cola", "btp", "none", {"grouped": False}),
+    "cola/btp recompute=layer": ("cola", "btp", "layer", {}),
+    "cola/btp recompute=lowrank": ("cola", "btp", "lowrank", {}),
+    "cola/vanilla recompute=lowrank": ("cola", "vanilla", "lowrank", {}),
+}
+
+
+def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result):
+    """Time fwd + bwd + AdamW of each variant, interleaved (a drift of the machine hits all alike);
+    count its TP traffic with the ledger and its saved activations with SavedBytes."""
     import time
     import torch
     import torch.distributed as dist
     import layouts
     import parallel
-    from checkpointing import RECOMPUTE, SavedBytes
+    from checkpointing import SavedBytes
     from model import Config, Llama
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    env = parallel.TP(dist.group.WORLD, rank, world)
-    cfg = Config(**cfg_kwargs)
-    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=torch.Generator().manual_seed(0))
-    models = {}
-    for mode in RECOMPUTE:
+    torch.set_num_threads(1 if world > 1 else 2)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
+        env = parallel.TP(dist.group.WORLD, rank, world)
+        parallel.LEDGER.name(dist.group.WORLD, "tp")
+    runs, out = {}, {}
+    for name in names:
+        arch, layout, recompute, options = VARIANTS[name]
         torch.manual_seed(0)
-        models[mode] = layouts.TPLlama(Llama(cfg, recompute=mode), env, "btp" if cfg.lowrank else "megatron")
-    out = {mode: {"ms": []} for mode in RECOMPUTE}
-    for mode, model in models.items():
+        model = Llama(Config(**{**cfg_kwargs, "arch": arch}), recompute=recompute)
+        if layout:
+            model = layouts.TPLlama(model, env, layout, **options)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]), generator=torch.Generator().manual_seed(0))
+
+    def step(name):
+        model, opt = runs[name]
+        model(idx, idx)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for name, (model, _) in runs.items():
         with SavedBytes(model) as meter:
-            model(idx, idx)[1].backward()
-        out[mode]["saved_mb"] = meter.bytes / 1e6
-    for i in range(iters + 2):          # interleaved, so that drifts of the machine hit every mode alike
-        for mode, model in models.items():
-            dist.barrier()
+            loss = model(idx, idx)[1]
+        loss.backward()
+        parallel.LEDGER.reset()
+        step(name)
+        out[name] = {"saved_mb": meter.bytes / 1e6, "tp_elements": parallel.LEDGER.total("tp"),
+                     "tp_mb": parallel.LEDGER.total("tp", unit="bytes") / 1e6,
+                     "tp_calls": parallel.LEDGER.total("tp", unit="calls"), "ms": []}
+    for _ in range(iters):
+        for name in runs:
+            if world > 1:
+                dist.barrier()
             t0 = time.perf_counter()
-            model(idx, idx)[1].backward()
-            dist.barrier()
-            if i >= 2:
-                out[mode]["ms"].append(1000 * (time.perf_counter() - t0))
+            step(name)
+            if world > 1:
+                dist.barrier()
+            out[name]["ms"].append(1000 * (time.perf_counter() - t0))
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
-def bench_recompute(iters, extra, tp):
+def measure(world, names, cfg, batch, iters):
+    """Run _measure_worker in `world` processes; {variant: results} with the median ms."""
     import torch.multiprocessing as mp
-    import train
-    cfg, tc = train.parse_args(extra)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_recompute_worker, args=(tp, f"{tmp}/store", cfg.shape(), tc.batch_size, iters,
-                                                   f"{tmp}/out.json"), nprocs=tp, start_method="spawn")
+        mp.start_processes(_measure_worker, args=(world, f"{tmp}/store", names, cfg.shape(), batch, iters,
+                                                  f"{tmp}/out.json"), nprocs=world, start_method="spawn")
         out = json.loads(Path(f"{tmp}/out.json").read_text())
-    base_ms = statistics.median(out["none"]["ms"])
-    rows = []
-    for mode, r in out.items():
+    for r in out.values():
         r["ms"] = statistics.median(r["ms"])
-        saved, extra_ms = out["none"]["saved_mb"] - r["saved_mb"], r["ms"] - base_ms
-        r.update(saved_vs_none_mb=saved, extra_ms=extra_ms)
-        rows.append([mode, f"{r['saved_mb']:.1f}", f"{saved:.1f}", f"{r['ms']:.1f}", f"{extra_ms:+.1f}",
-                     f"{saved / extra_ms:.2f}" if mode != "none" and extra_ms > 0 else "-"])
-    title = (f"arch={cfg.arch}, btp, tp={tp}, n_layer={cfg.n_layer}, d={cfg.n_embd}, r={cfg.attn_rank}, "
-             f"batch {tc.batch_size} x {cfg.block_size} tokens, per rank, fp32")
-    return title + "\n\n" + table(["recompute", "saved MB", "MB less than none", "ms/iter (fwd+bwd)",
-                                    "extra ms", "MB saved per ms"], rows), out
+    return out
+
+
+def bench_layouts(iters, extra, tps):
+    """The paper's comparison on this machine: the layouts at each TP degree, then the ablations."""
+    import train
+    cfg, tc = train.parse_args(["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8", *extra])
+    tokens = tc.batch_size * cfg.block_size
+    rows, out = [], {}
+    for tp in tps:
+        names = ["full", "svd", "cola"] if tp == 1 else \
+            ["full/megatron", "cola/vanilla", "svd/btp", "cola/btp"] + \
+            ([n for n in VARIANTS if " " in n] if tp == tps[-1] or tp == 2 else [])
+        out[tp] = measure(tp, names, cfg, tc.batch_size, iters)
+        base = out[tp].get("cola/btp", out[tp].get("cola"))
+        for name, r in out[tp].items():
+            rows.append([tp, name, f"{r['ms']:.1f}", f"{tokens / r['ms'] * 1000:,.0f}", r["tp_calls"],
+                         f"{r['tp_elements']:,}", f"{r['tp_mb']:.2f}", f"{r['saved_mb']:.1f}",
+                         f"{r['ms'] / base['ms']:.2f}"])
+    title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, d_ff={cfg.mlp_width}, r={cfg.attn_rank}, heads={cfg.n_head}, "
+             f"{tc.batch_size} x {cfg.block_size} tokens per step, fp32, one process per TP rank"
+             + (" (tp=4 oversubscribes the 2 cores of this machine)" if 4 in tps and os.cpu_count() < 4 else ""))
+    return title + "\n\n" + table(["tp", "variant", "ms/step", "tokens/s", "TP collectives/step",
+                                    "TP elements/step", "TP MB/step",
+                                    "saved activations MB", "time vs cola/btp (or cola)"], rows), out
 
 
 def bench_traffic(extra, tp):
@@ -183,24 +216,25 @@ def bench_traffic(extra, tp):
 
 
 def main(argv):
-    if not argv or argv[0] not in ("archs", "traffic", "tp", "recompute"):
+    if not argv or argv[0] not in ("archs", "traffic", "layouts", "model"):
         sys.exit(__doc__)
-    what, iters, tp, extra = argv[0], 300, 2, []
+    what, iters, tps, extra = argv[0], 10, (1, 2, 4), []
     for arg in argv[1:]:
         if arg.startswith("--iters="):
             iters = int(arg.split("=", 1)[1])
         elif arg.startswith("--tp="):
-            tp = int(arg.split("=", 1)[1])
+            tps = tuple(int(t) for t in arg.split("=", 1)[1].split(","))
         else:
             extra.append(arg)
     if what == "archs":
         text, out = bench_archs(iters, extra)
-    elif what == "tp":
-        text, out = bench_tp(iters, extra, tp)
-    elif what == "recompute":
-        text, out = bench_recompute(iters, extra, tp)
+    elif what == "layouts":
+        text, out = bench_layouts(iters, extra, tps)
+    elif what == "traffic":
+        text, out = bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
     else:
-        text, out = bench_traffic(extra, tp)
+        import costmodel
+        text, out = costmodel.report()
     print(text)
     Path(f"bench-{what}.json").write_text(json.dumps(out, indent=1))
 

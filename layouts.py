@@ -82,9 +82,10 @@ class Sharded(nn.Module):
 class BTPBlock(Sharded):
     """One decoder layer under bottleneck-aware TP; the residual stream x is (b, s, d/t)."""
 
-    def __init__(self, cfg, tp, full, p):
+    def __init__(self, cfg, tp, full, p, online_norm=True, grouped=True):
         super().__init__(tp, full)
         self.cfg, self.act = cfg, latent_act(cfg.arch)
+        self.online_norm, self.grouped = online_norm, grouped  # False only for bench.py's ablations
         self.shard("attn_norm", [p + "attn_norm.weight"], 0)
         self.shard("A_qkv", [p + f"attn.{n}.A.weight" for n in "qkv"], 1)  # (3r, d/t): one GEMM
         for n in "qkv":
@@ -100,33 +101,57 @@ class BTPBlock(Sharded):
 
     # The layer as BTP chunks (checkpointing.py recomputes them one by one): each chunk starts from
     # a replicated latent after its all-reduce and ends with the local partial product of the next A.
+    def norm_down(self, x, gamma, A, r):
+        """The local half of σ(RMSNorm(x)·Aᵀ): the partial [H | S] to all-reduce (online RMSNorm, §3).
+        Ablations: online_norm=False all-reduces S on its own first and returns H alone;
+        grouped=False gives one partial (one GEMM, one all-reduce) per projection."""
+        As = [A] if self.grouped else list(A.split(r))
+        if self.online_norm:
+            parts = [kernels.norm_down(x, gamma, a) for a in As]                 # (b, s, n), (b, s, 1)
+            partials = [torch.cat([H.float(), S], -1) for H, S in parts]         # (b, s, n+1)
+        else:
+            S = x.float().pow(2).sum(-1, keepdim=True)                           # (b, s, 1) partial
+            S = Copy.apply(Reduce.apply(S, self.tp.group), self.tp.group)  # every rank uses it: bwd sums
+            h = (x * torch.rsqrt(S / self.cfg.n_embd + self.cfg.norm_eps)).to(x.dtype) * gamma
+            partials = [(h @ a.t()).float() for a in As]                         # (b, s, n)
+        return partials[0] if self.grouped else partials
+
     def reduce(self, partial):
+        if isinstance(partial, list):  # ungrouped ablation: an all-reduce per projection
+            parts = [Reduce.apply(p, self.tp.group) for p in partial]
+            return torch.cat([p[..., :-1] for p in parts] + [parts[0][..., -1:]], -1) if self.online_norm \
+                else torch.cat(parts, -1)
         return Reduce.apply(partial, self.tp.group)
 
     def latent(self, HS):
-        """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S] (online RMSNorm, §3), replicated."""
-        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:] / self.cfg.n_embd + self.cfg.norm_eps)
+        """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S], replicated."""
+        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:] / self.cfg.n_embd + self.cfg.norm_eps) \
+            if self.online_norm else HS
         return Copy.apply(self.act(z), self.tp.group)                            # (b, s, n)
 
+    def up(self, z, Bs):
+        """The up-projections of z's groups: one grouped GEMM (or, ablated, one GEMM each)."""
+        if self.grouped:
+            return kernels.grouped_up(z, Bs)
+        return [zg @ B.t() for zg, B in zip(z.split(Bs[0].shape[1], -1), Bs)]
+
     def qkv_down(self, x):
-        H, S = kernels.norm_down(x, self.attn_norm, self.A_qkv)                  # (b, s, 3r), (b, s, 1)
-        return torch.cat([H.float(), S], -1)                                     # (b, s, 3r+1) partial
+        return self.norm_down(x, self.attn_norm, self.A_qkv, self.cfg.attn_rank)  # (b, s, 3r+1) partial
 
     def attn_chunk(self, HS, cos, sin):
         cfg, t = self.cfg, self.tp.size
         z = self.latent(HS)                                                      # (b, s, 3r)
-        q, k, v = kernels.grouped_up(z, [self.B_q, self.B_k, self.B_v])
+        q, k, v = self.up(z, [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         return y @ self.A_o.t()                                                  # (b, s, r) partial
 
     def o_chunk(self, u, x):
         x = x + Copy.apply(self.act(u), self.tp.group) @ self.B_o.t()           # (b, s, d/t)
-        H, S = kernels.norm_down(x, self.mlp_norm, self.A_gu)                    # (b, s, 2r), (b, s, 1)
-        return x, torch.cat([H.float(), S], -1)                                  # (b, s, 2r+1) partial
+        return x, self.norm_down(x, self.mlp_norm, self.A_gu, self.cfg.mlp_rank)  # (b, s, 2r+1) partial
 
     def mlp_chunk(self, HS):
         z = self.latent(HS)                                                      # (b, s, 2r)
-        gate, up = kernels.grouped_up(z, [self.B_gate, self.B_up])
+        gate, up = self.up(z, [self.B_gate, self.B_up])
         h = gated_product(self.cfg.arch, gate, up)                               # (b, s, f/t)
         return h @ self.A_down.t()                                               # (b, s, r) partial
 
@@ -223,13 +248,13 @@ class TPLlama(Sharded):
 
     Logits come back vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without."""
 
-    def __init__(self, model, tp, layout):
+    def __init__(self, model, tp, layout, **btp_options):
         check_divisible(model.cfg, tp.size, layout)
         full = {k: v.detach() for k, v in model.state_dict().items()}
         super().__init__(tp, full)
         self.cfg, self.layout, self.recompute = model.cfg, layout, model.recompute
         self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
-        self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.")
+        self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.", **btp_options)
                                     for i in range(model.cfg.n_layer))
         self.shard("norm", ["norm.weight"], None)
         self.shard("lm_head", ["lm_head.weight"], 0)                               # (V/t, d)

@@ -18,13 +18,14 @@ import torch.distributed as dist
 # ------------------------------------------------------------------------------------ the ledger
 
 class Ledger:
-    """Every collective records (op, group, phase) -> [elements, bytes]; train.py and bench.py read it.
+    """Every collective records (op, group, phase) -> [elements, bytes, calls]; train.py and bench.py
+    read it.
 
     Elements are those of the collective's result (b·s·n for an all-reduce of n features per token,
     b·s·d for the all-gather of d). Phases: fwd, bwd, and grad (the data-parallel gradient all-reduce)."""
 
     def __init__(self):
-        self.names, self.counts = {}, defaultdict(lambda: [0, 0])
+        self.names, self.counts = {}, defaultdict(lambda: [0, 0, 0])
 
     def name(self, group, name):
         self.names[id(group)] = name
@@ -33,12 +34,13 @@ class Ledger:
         entry = self.counts[(op, self.names.get(id(group), "?"), phase)]
         entry[0] += tensor.numel()
         entry[1] += tensor.numel() * tensor.element_size()
+        entry[2] += 1
 
     def reset(self):
         self.counts.clear()
 
     def total(self, group=None, phase=None, unit="elements"):
-        i = 0 if unit == "elements" else 1
+        i = ("elements", "bytes", "calls").index(unit)
         return sum(n[i] for (op, g, p), n in self.counts.items()
                    if (group is None or g == group) and (phase is None or p == phase))
 

@@ -328,8 +328,9 @@ def _equivalence_worker(rank, world, meshes):
         mesh = parallel.init_mesh(dp, tp, "cpu", 120)
         env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
         dp_rank = mesh.get_local_rank("dp")
-        for arch, layout in TP_CASES:
-            where = f"{arch}/{layout} dp={dp} tp={tp}"
+        ablations = [("cola", "btp", {"online_norm": False}), ("svd", "btp", {"grouped": False})]
+        for arch, layout, options in [(a, lay, {}) for a, lay in TP_CASES] + ablations:
+            where = f"{arch}/{layout} {options} dp={dp} tp={tp}"
             cfg = small_cfg(arch)
             torch.manual_seed(0)
             ref = Llama(cfg)
@@ -337,7 +338,7 @@ def _equivalence_worker(rank, world, meshes):
             tgt = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
             logits, loss = ref(idx, tgt)
             loss.backward()
-            tp_model = layouts.TPLlama(ref, env, layout)
+            tp_model = layouts.TPLlama(ref, env, layout, **options)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], tgt[share])
@@ -733,3 +734,32 @@ def test_export_unsharded_and_generate(tmp_path, data_dir):
     for (name, a), b in zip(exported.state_dict().items(), direct.state_dict().values()):
         assert torch.equal(a, b), name
     assert exported.generate(torch.zeros(1, 1, dtype=torch.long), 10).shape == (1, 11)
+
+
+# ---------------------------------------------------------------------------- bench.py and the cost model
+
+def test_cost_model_matches_model_and_ledger():
+    import costmodel
+    for name, sh in costmodel.SHAPES.items():
+        cfg = Config(arch="cola", n_layer=sh.n_layer, n_embd=sh.n_embd, mlp_width=sh.mlp_width, n_head=sh.n_head,
+                     n_kv_head=sh.n_kv_head, vocab_size=sh.vocab_size, block_size=4096)
+        with torch.device("meta"):
+            for arch, layout in (("cola", "btp"), ("full", "megatron")):
+                cfg.arch = arch
+                assert costmodel.flops_per_token(sh, layout, 4096) == Llama(cfg).flops_per_token(4096), (name, arch)
+    cfg = small_cfg("cola")
+    for layout in ("btp", "vanilla", "megatron"):  # the formulas the ledger test measured exactly
+        assert costmodel.per_layer_volume(layout, cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank,
+                                          cfg.mlp_rank) == ledger_per_layer(layout, cfg, 1)
+    text, out = costmodel.report()
+    assert out["mean_abs_rel_error"] < 0.5 and "| 7B | 4 | 1 |" in text
+
+
+def test_bench_runs_end_to_end(tmp_path):
+    tiny = ["--n_embd=32", "--n_layer=2", "--n_head=4", "--block_size=16", "--batch_size=2", "--iters=1"]
+    for what in (["layouts", "--tp=1,2", *tiny], ["traffic", "--n_embd=32", "--n_head=4"], ["model"]):
+        res = subprocess.run([sys.executable, str(ROOT / "bench.py"), *what], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert json.loads((tmp_path / f"bench-{what[0]}.json").read_text())
+    assert "cola/btp recompute=lowrank" in (tmp_path / "bench-layouts.json").read_text()
