@@ -11,7 +11,7 @@ train: .venv/.installed
 	$(PY) train.py
 
 test: .venv/.installed
-	$(PY) -m pytest -q test_boost.py
+	$(PY) -m pytest -q
 
 .venv/.installed: requirements.txt
 	python3 -m venv .venv

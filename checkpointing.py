@@ -245,6 +245,29 @@ def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_pub
     return final
 
 
+def find(out_dir, init_from, config):
+    """The checkpoint to resume from (checked against config), or None to start from scratch."""
+    if init_from == "scratch":
+        return None
+    found = checkpoint_dirs(out_dir)
+    if not found:
+        if init_from == "resume":
+            raise ValueError(f"--init_from=resume but there is no complete checkpoint in {out_dir}/checkpoints")
+        return None
+    read_meta(found[-1], config)
+    return found[-1]
+
+
+def check_writable(out_dir):
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"out_dir {out_dir} cannot be written ({e.strerror})") from None
+
+
 def read_meta(path, config):
     """meta.json of a checkpoint, checked: files whole, model shape equal (naming the field)."""
     try:

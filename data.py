@@ -120,6 +120,24 @@ def prepare(dataset, tokenizer, data_dir, log=print):
     return out
 
 
+def prepare_once(dataset, tokenizer, data_dir, log=print):
+    """prepare() on global rank 0 only, the others waiting; its ValueError is raised on every rank."""
+    import torch.distributed as dist
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            prepare(dataset, tokenizer, data_dir, log=log)
+        except ValueError as e:
+            error = str(e)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ValueError(error)
+    return prepared_dir(dataset, tokenizer, data_dir)
+
+
 class TokenFile:
     """One split of a prepared corpus, memmapped, with deterministic batch drawing."""
 

@@ -33,8 +33,11 @@ from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, _all_gathe
 LAYOUTS = ("btp", "vanilla", "megatron")
 
 
-def check_divisible(cfg, tp, layout):
-    """A clear ValueError when the TP degree cannot split this model under this layout."""
+def check_divisible(cfg, tp, layout, pp=1):
+    """A clear ValueError when the TP degree cannot split this model under this layout, or the
+    pipeline degree its layers."""
+    if cfg.n_layer % pp:
+        raise ValueError(f"n_layer={cfg.n_layer} cannot be split into pp={pp} equal stages")
     if layout not in LAYOUTS:
         raise ValueError(f"tp_mode={layout} is not one of {', '.join(LAYOUTS)}")
     if layout == "megatron" and cfg.lowrank:
@@ -246,30 +249,43 @@ BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
 class TPLlama(Sharded):
     """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss).
 
-    Logits come back vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without."""
+    Logits come back vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without.
+    As pipeline stage `stage` of `stages` it holds n_layer/stages layers, the embedding on the first
+    stage and the final norm and LM head on the last; between stages the residual stream travels as
+    it is held here, (b, s, d/t) under btp, and the last stage returns the logits for the schedule's
+    loss (parallel.Pipeline)."""
 
-    def __init__(self, model, tp, layout, **btp_options):
+    def __init__(self, model, tp, layout, stage=0, stages=1, **btp_options):
         check_divisible(model.cfg, tp.size, layout)
         full = {k: v.detach() for k, v in model.state_dict().items()}
         super().__init__(tp, full)
         self.cfg, self.layout, self.recompute = model.cfg, layout, model.recompute
-        self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
+        self.first, self.last, self.pipelined = stage == 0, stage == stages - 1, stages > 1
+        per_stage = model.cfg.n_layer // stages
+        if self.first:
+            self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
         self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.", **btp_options)
-                                    for i in range(model.cfg.n_layer))
-        self.shard("norm", ["norm.weight"], None)
-        self.shard("lm_head", ["lm_head.weight"], 0)                               # (V/t, d)
+                                    for i in range(stage * per_stage, (stage + 1) * per_stage))
+        if self.last:
+            self.shard("norm", ["norm.weight"], None)
+            self.shard("lm_head", ["lm_head.weight"], 0)                           # (V/t, d)
         self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
         self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
         for m in self.modules():
             m._full = None  # the full weights are not kept
 
-    def forward(self, idx, targets=None):
+    def forward(self, x, targets=None):
         g = self.tp.group
-        x = F.embedding(idx, self.tok_emb)                          # (b, s, d/t) btp, else (b, s, d)
+        if self.first:
+            x = F.embedding(x, self.tok_emb)                        # (b, s, d/t) btp, else (b, s, d)
         x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
+        if not self.last:
+            return x                                                # to the next pipeline stage
         if self.layout == "btp":
             x = Gather.apply(x, g)                                  # (b, s, d)
         x = Copy.apply(kernels.rms_norm(x, self.norm, self.cfg.norm_eps), g)
+        if self.pipelined:
+            return x @ self.lm_head.t()                             # (b, s, V/t) to the schedule's loss
         if targets is None:
             return _all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
         logits = x @ self.lm_head.t()                               # (b, s, V/t)
@@ -301,16 +317,12 @@ class TPLlama(Sharded):
                 out[p] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
         return out
 
-    def shard_from(self, full):
-        """{full-model name: tensor} -> {local name: this rank's tensor} (no communication)."""
-        return {name: take(full, spec, self.tp) for name, spec in self.named_specs()}
-
     generate = Llama.generate
 
     def grad_norm_sq(self):
         """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""
         params = dict(self.named_parameters())
-        sharded = replicated = torch.zeros((), dtype=torch.float64, device=self.norm.device)
+        sharded = replicated = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for name, spec in self.named_specs():
             g = params[name].grad
             if g is None:

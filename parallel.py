@@ -49,6 +49,8 @@ LEDGER = Ledger()
 
 
 def _all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
+    if dist.get_world_size(group) == 1:
+        return x  # a TP "group" of one (pipelining without TP): nothing to send
     x = x.contiguous()
     LEDGER.record("all_reduce", group, x, phase)
     dist.all_reduce(x, op=op, group=group)
@@ -153,8 +155,9 @@ class TP:
     size: int
 
 
-def init_mesh(dp, tp, device_type, timeout_s):
-    """The (dp, tp) DeviceMesh over the torchrun world, TP innermost (TP peers are adjacent ranks)."""
+def init_mesh(dp, tp, device_type, timeout_s, pp=1):
+    """The (dp, pp, tp) DeviceMesh over the torchrun world, TP innermost (TP peers are adjacent
+    ranks, on one node), then PP, then DP."""
     from torch.distributed.device_mesh import init_device_mesh
     if not dist.is_initialized():
         backend, timeout = ("nccl" if device_type == "cuda" else "gloo"), timedelta(seconds=timeout_s)
@@ -168,9 +171,9 @@ def init_mesh(dp, tp, device_type, timeout_s):
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
-    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    LEDGER.name(mesh.get_group("tp"), "tp")
-    LEDGER.name(mesh.get_group("dp"), "dp")
+    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    for name in ("dp", "pp", "tp"):
+        LEDGER.name(mesh.get_group(name), name)
     return mesh
 
 
@@ -181,14 +184,71 @@ def ledger_ddp_hook(group, bucket):
     return allreduce_hook(group, bucket)
 
 
-def clip_grad_norm(model, max_norm):
-    """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards; returns the norm."""
+def clip_grad_norm(model, max_norm, pp_group=None):
+    """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards and pipeline stages."""
     tp_model = getattr(model, "module", model)
     if hasattr(tp_model, "grad_norm_sq"):  # a layouts.TPLlama
-        norm = tp_model.grad_norm_sq().sqrt().float()
+        norm_sq = tp_model.grad_norm_sq()
+        if pp_group is not None:
+            dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
+        norm = norm_sq.sqrt().float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in tp_model.parameters():
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.dtype))
         return norm
     return torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm)
+
+
+def all_reduce_grads(model, dp_group):
+    """The data-parallel mean of the gradients, where DDP is not used (under pipelining)."""
+    size = dist.get_world_size(dp_group)
+    for p in model.parameters():
+        if p.grad is not None and size > 1:
+            LEDGER.record("all_reduce", dp_group, p.grad, "grad")
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(size)
+
+
+class Pipeline:
+    """Pipeline parallelism over layouts.TPLlama stages with torch.distributed.pipelining.
+
+    Each (dp, tp) rank of stage i sends its slice of the residual stream, (b, s, d/t) under btp, to
+    the same (dp, tp) rank of stage i+1, once per micro-batch forward and once per backward; the
+    ledger counts both. The schedule (1F1B or GPipe) runs this rank's gradient-accumulation
+    micro-batches; the loss is the vocab-parallel cross-entropy, and the schedule scales each
+    micro-batch's gradients by 1/n, so the result is the gradient of the mean loss."""
+
+    def __init__(self, stage_model, mesh, n_micro, schedule, device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.pp_group, tp_group = mesh.get_group("pp"), mesh.get_group("tp")
+        pp_rank, pp = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
+        self.first, self.last = pp_rank == 0, pp_rank == pp - 1
+        stage = PipelineStage(stage_model, pp_rank, pp, torch.device(device), group=self.pp_group)
+
+        def loss_fn(logits, targets):  # (b, s, V/t), (b, s)
+            return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), tp_group).mean()
+        self.schedule = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, n_micro, loss_fn=loss_fn)
+        self.n_micro, self.shapes = n_micro, None
+        stage_model.register_forward_hook(self._shapes)
+
+    def _shapes(self, module, inputs, output):
+        """The stage's input and output of one micro-batch (what crosses the stage boundaries)."""
+        self.shapes = (inputs[0].detach(), output.detach())
+
+    def run(self, x, y, train=True):
+        """All micro-batches of x, y (n_micro·b, s) through the pipeline (forward and backward when
+        training); returns the mean loss, on every stage."""
+        losses = []
+        args = (x,) if self.first else ()
+        kwargs = {"target": y, "losses": losses} if self.last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        x_in, out = self.shapes  # (the schedule may run an extra forward to infer shapes: not counted)
+        for _ in range(self.n_micro):
+            if not self.last:            # the activation to the next stage
+                LEDGER.record("send", self.pp_group, out, "fwd")
+            if not self.first and train:  # the gradient of the input back to the previous stage
+                LEDGER.record("send", self.pp_group, x_in, "bwd")
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if self.last else torch.zeros((), device=x.device)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage holds it
+        return loss.item()

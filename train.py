@@ -62,6 +62,8 @@ class TrainConfig:
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / tp
     tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
+    pp: int = 1                    # pipeline stages (n_layer / pp layers each)
+    pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
     recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
     kernels: str = "auto"          # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     # system
@@ -76,7 +78,7 @@ class TrainConfig:
 
 CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
            "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE, "kernels": kernels.BACKENDS}
+           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
 FAULTS = ("kill", "nan", "kill_in_save")
 
 
@@ -130,7 +132,7 @@ def parse_args(argv):
             raise ValueError(f"--{key}={value} is not one of {', '.join(CHOICES[key])}")
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
-    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp"):
+    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp", "pp"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
     for name in ("max_iters", "dp"):
@@ -145,16 +147,19 @@ def parse_args(argv):
 
 def plan_parallel(cfg, tc, world):
     """(dp, layout) for this world size; ValueError when the layout cannot split the model."""
-    dp = tc.dp or max(1, world // tc.tp)
-    if dp * tc.tp != world:
-        raise ValueError(f"world size {world} is not dp × tp = {dp} × {tc.tp}: "
-                         "set --dp and --tp, or torchrun --nproc_per_node")
+    dp = tc.dp or max(1, world // (tc.tp * tc.pp))
+    if dp * tc.pp * tc.tp != world:
+        raise ValueError(f"world size {world} is not dp × pp × tp = {dp} × {tc.pp} × {tc.tp}: "
+                         "set --dp, --pp and --tp, or torchrun --nproc_per_node")
     if tc.gradient_accumulation_steps % dp:
         raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by "
                          f"the {dp} data-parallel ranks")
     layout = tc.tp_mode if tc.tp_mode != "auto" else ("btp" if cfg.lowrank else "megatron")
-    if tc.tp > 1:
-        layouts.check_divisible(cfg, tc.tp, layout)
+    if tc.tp > 1 or tc.pp > 1:
+        layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
+    if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
+        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: raise "
+                         f"gradient_accumulation_steps to {tc.pp * dp} or use --pp_schedule=gpipe")
     return dp, layout
 
 
@@ -177,35 +182,12 @@ def configure_optimizer(model, tc):
     return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2))
 
 
-def check_writable(out_dir):
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"out_dir {out_dir} cannot be written ({e.strerror})") from None
-
-
 def fault_at(tc, kind, iter_num):
     """True where --inject_fault asks for this fault now (never in a group torchrun restarted)."""
     if not tc.inject_fault or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return False
     what, it = tc.inject_fault.split(":")
     return what == kind and int(it) == iter_num
-
-
-def find_checkpoint(tc, cfg):
-    """The checkpoint to resume from (checked), or None to start from scratch."""
-    if tc.init_from == "scratch":
-        return None
-    found = checkpointing.checkpoint_dirs(tc.out_dir)
-    if not found:
-        if tc.init_from == "resume":
-            raise ValueError(f"--init_from=resume but there is no complete checkpoint in {tc.out_dir}/checkpoints")
-        return None
-    checkpointing.read_meta(found[-1], cfg.shape())
-    return found[-1]
 
 
 def main(argv):
@@ -220,20 +202,21 @@ def main(argv):
         checkpointing.check_recompute(cfg, tc.recompute)
         device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         kernels.select(tc.kernels, device)
-        resume_from = find_checkpoint(tc, cfg)
-        check_writable(tc.out_dir)
+        resume_from = checkpointing.find(tc.out_dir, tc.init_from, cfg.shape())
+        checkpointing.check_writable(tc.out_dir)
     except ValueError as e:
         fail(e)
 
     # -------------------------------------------------------------- processes, device, precision
-    dp_rank, dp_group, tp, mesh = 0, None, None, None
+    dp_rank, dp_group, tp, mesh, ckpt_mesh, pp_rank = 0, None, None, None, None, 0
     if world > 1:
         if device == "cuda":
             device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
             torch.cuda.set_device(device)
-        mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s)
-        dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
+        mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
+        dp_rank, dp_group, pp_rank = mesh.get_local_rank("dp"), mesh.get_group("dp"), mesh.get_local_rank("pp")
         tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp)
+        ckpt_mesh = mesh["dp", "tp"]  # a stage's tensors are sharded over its own (dp, tp) ranks
     master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
     micro_steps = tc.gradient_accumulation_steps // dp
@@ -243,20 +226,8 @@ def main(argv):
         torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 
     # -------------------------------------------------------------- data (prepared once, on rank 0)
-    err = None
-    if master:
-        try:
-            folder = data.prepare(tc.dataset, tc.tokenizer, tc.data_dir, log=log)
-        except ValueError as e:
-            err = str(e)
-    if world > 1:
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        err = box[0]
-    if err:
-        fail(err)
-    folder = data.prepared_dir(tc.dataset, tc.tokenizer, tc.data_dir)
     try:
+        folder = data.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, log)
         splits = {s: data.TokenFile(folder, s, cfg.block_size) for s in ("train", "val")}
     except ValueError as e:
         fail(e)
@@ -265,26 +236,27 @@ def main(argv):
     torch.manual_seed(tc.seed)
     raw_model = Llama(cfg, recompute=tc.recompute)
     n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
-    if tc.tp > 1:
-        raw_model = layouts.TPLlama(raw_model, tp, layout)  # cut from the full model built above
+    if tc.tp > 1 or tc.pp > 1:  # cut from the full model built above
+        raw_model = layouts.TPLlama(raw_model, tp, layout, stage=pp_rank, stages=tc.pp)
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, tc)
     iter_num = 0
     if resume_from:
         try:
-            checkpointing.load(resume_from, raw_model, optimizer, mesh)
+            checkpointing.load(resume_from, raw_model, optimizer, ckpt_mesh)
         except ValueError as e:
             fail(e)
         iter_num = checkpointing.read_meta(resume_from, cfg.shape())["iter_num"]
         log(f"resuming from {resume_from} (iteration {iter_num})")
     model = torch.compile(raw_model) if tc.compile else raw_model
-    if dp > 1:
+    pipe = parallel.Pipeline(raw_model, mesh, micro_steps, tc.pp_schedule, device) if tc.pp > 1 else None
+    if dp > 1 and not pipe:
         model = DDP(model, process_group=dp_group, device_ids=[device] if device.startswith("cuda") else None)
         model.register_comm_hook(dp_group, parallel.ledger_ddp_hook)
     global_batch = tc.batch_size * tc.gradient_accumulation_steps
     tokens_per_iter = global_batch * cfg.block_size
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
-        f"dp={dp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
+        f"dp={dp} pp={tc.pp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
         f", {tokens_per_iter:,} tokens/iter, {device} {dtype}")
 
     def mean_over_dp(value):
@@ -311,6 +283,11 @@ def main(argv):
         for split, tokens in splits.items():
             total = 0.0
             for k in range(tc.eval_iters):
+                if pipe:
+                    xs, ys = zip(*shares(tokens, f"eval-{split}", k))
+                    with autocast:
+                        total += pipe.run(torch.cat(xs), torch.cat(ys), train=False)
+                    continue
                 for x, y in shares(tokens, f"eval-{split}", k):
                     with autocast:
                         total += model(x, y)[1].item() / micro_steps
@@ -333,7 +310,7 @@ def main(argv):
             if iter_num > 0:
                 meta = {"config": cfg.shape(), "train_config": asdict(tc), "tokenizer": tc.tokenizer}
                 crash = (lambda: os._exit(1)) if fault_at(tc, "kill_in_save", iter_num) else None
-                checkpointing.save(tc.out_dir, iter_num, raw_model, optimizer, mesh, meta,
+                checkpointing.save(tc.out_dir, iter_num, raw_model, optimizer, ckpt_mesh, meta,
                                    keep=tc.keep_checkpoints, before_publish=crash)
             t0 = time.time()  # evaluation is not training time
         if fault_at(tc, "kill", iter_num) and int(os.environ.get("RANK", "0")) == world - 1:
@@ -345,7 +322,12 @@ def main(argv):
 
         loss_sum = 0.0
         LEDGER.reset()
-        for micro, (x, y) in enumerate(shares(splits["train"], "train", iter_num)):
+        if pipe:  # the schedule runs this rank's micro-batches through the stages, forward and backward
+            xs, ys = zip(*shares(splits["train"], "train", iter_num))
+            with autocast:
+                loss_sum = pipe.run(torch.cat(xs), torch.cat(ys))
+            parallel.all_reduce_grads(raw_model, dp_group)
+        for micro, (x, y) in enumerate(() if pipe else shares(splits["train"], "train", iter_num)):
             sync = micro == micro_steps - 1 or dp == 1
             with (nullcontext() if sync else model.no_sync()), autocast:
                 _, loss = model(x, y)
@@ -354,7 +336,8 @@ def main(argv):
                     loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.item()
-        grad_norm = parallel.clip_grad_norm(raw_model, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        grad_norm = parallel.clip_grad_norm(raw_model, tc.grad_clip if tc.grad_clip > 0 else float("inf"),
+                                            mesh.get_group("pp") if pipe else None)
         if not torch.isfinite(grad_norm):  # the same on every rank: gradients are all-reduced
             last = checkpointing.checkpoint_dirs(tc.out_dir)
             fail(f"the loss or its gradient is not finite at iteration {iter_num}; stopped before the "
@@ -369,7 +352,7 @@ def main(argv):
             tokens_per_s = tokens_per_iter / dt
             mfu = estimate_mfu(flops_per_token, tokens_per_s / world, tc.peak_tflops)
             comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
-                    "dp_bytes": LEDGER.total("dp", unit="bytes")}
+                    "dp_bytes": LEDGER.total("dp", unit="bytes"), "pp_bytes": LEDGER.total("pp", unit="bytes")}
             record = {"iter": iter_num, "loss": loss_mean, "lr": lr, "ms": dt * 1000, "tokens_per_s": tokens_per_s,
                       **comm, **({"mfu": mfu} if mfu is not None else {}), **record}
             log(f"iter {iter_num}: loss {loss_mean:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
@@ -383,7 +366,9 @@ def main(argv):
 
     if master:
         metrics.close()
-    if tc.sample_tokens > 0:  # every rank samples alike (TP peers must run the forward together)
+    if tc.sample_tokens > 0 and pipe:
+        log("no sample under pp > 1: export the checkpoint and run python checkpointing.py sample")
+    elif tc.sample_tokens > 0:  # every rank samples alike (TP peers must run the forward together)
         enc = data.get_tokenizer(tc.tokenizer)
         torch.manual_seed(tc.seed)
         start = torch.tensor([[enc.eot_token]], device=device)

@@ -1,0 +1,103 @@
+"""conftest.py: what the test files share: the tiny run, the prepared corpus, runners for train.py
+in this process, under torchrun and in spawned gloo groups, and the one-line-error check.
+Run the tests with: .venv/bin/python -m pytest -q
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import data
+import train
+from model import Config
+
+ROOT = Path(__file__).resolve().parent
+SHARED_CACHE = ROOT.parent / "shared" / "tiktoken_cache"
+if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_CACHE.is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_CACHE)
+
+TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32",
+        "--batch_size=4", "--eval_iters=2", "--sample_tokens=0", "--warmup_iters=2", "--log_interval=1"]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One prepared copy of the embedded corpus for the whole session."""
+    d = tmp_path_factory.mktemp("data")
+    data.prepare(data.EMBEDDED, "bytes", d, log=lambda *a: None)
+    return d
+
+
+def run_train(out_dir, data_dir, *args):
+    """train.main in this process; returns the metrics.jsonl records."""
+    train.main([f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, *args])
+    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+
+
+def losses(records):
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def torchrun(nproc, *args, timeout=300, launcher=(), check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher, str(ROOT / "train.py"), *args]
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res
+
+
+def metrics(out_dir):
+    return [json.loads(x) for x in open(Path(out_dir) / "metrics.jsonl")]
+
+
+def spawn(world, fn, *args, timeout=240):
+    """Run fn(rank, world, *args) in `world` processes over gloo; re-raises a worker's failure."""
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), fn, *args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = __import__("time").time() + timeout
+        while not ctx.join(timeout=5):
+            if __import__("time").time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s")
+
+
+def _worker(rank, world, store, fn, *args):
+    """One spawned process: a gloo group over a FileStore (no port), fn, then an orderly shutdown."""
+    import datetime
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            store=dist.FileStore(store, world))
+    fn(rank, world, *args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def expect_error(capsys, argv, *fragments):
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vanilla"), ("cola", "vanilla")]
+
+
+def small_cfg(arch, n_layer=2):
+    return Config(arch=arch, n_layer=n_layer, n_head=8, n_kv_head=4, n_embd=64, block_size=16,
+                  vocab_size=128, attn_rank=16, mlp_rank=24)

@@ -1,0 +1,90 @@
+"""test_kernels.py: the Triton kernels against their PyTorch references, in Triton's interpreter on
+CPU (kernels.py turns it on where there is no CUDA): fp32, fp16 and bf16, ragged shapes.
+"""
+import json
+
+import pytest
+import torch
+
+import kernels
+from conftest import TINY, losses, torchrun
+
+
+# bf16 keeps 8 bits of mantissa: compared in fp32 against the fp32 reference of the same inputs
+KERNEL_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2),
+              torch.bfloat16: dict(rtol=4e-2, atol=4e-2)}
+
+
+def triton_and_ref(fn, inputs, upstream):
+    """Outputs and input gradients of fn under the Triton and the reference backend."""
+    results = []
+    for backend in ("triton", "torch"):
+        kernels._backend = backend
+        try:
+            leaves = [t.detach().clone().requires_grad_() for t in inputs]
+            outs = fn(*leaves)
+            torch.autograd.backward(outs, upstream)
+            results.append(([o.detach().float() for o in outs], [t.grad.float() for t in leaves]))
+        finally:
+            kernels._backend = "torch"
+    return results
+
+
+def ref_in_fp32(fn, inputs, upstream):
+    """The reference computed in fp32 from the same (rounded) inputs."""
+    leaves = [t.detach().float().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    torch.autograd.backward(outs, [u.float() for u in upstream])
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M, K, N", [(37, 50, 29), (64, 24, 97)])
+def test_norm_down_kernel(dtype, M, K, N):
+    g = torch.Generator().manual_seed(M + K + N)
+    inputs = [torch.randn(M, K, generator=g).to(dtype), (1 + torch.rand(K, generator=g)).to(dtype),
+              (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)]
+    upstream = [torch.randn(M, N, generator=g).to(dtype), torch.randn(M, 1, generator=g)]
+    (out, grads), _ = triton_and_ref(kernels.norm_down, inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(kernels.norm_down_ref, inputs, upstream)
+    for a, b in zip(out + grads, ref_out + ref_grads):
+        torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
+    again = triton_and_ref(kernels.norm_down, inputs, upstream)[0]
+    assert all(torch.equal(a, b) for a, b in zip(out + grads, again[0] + again[1]))  # deterministic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("widths, r", [((40, 20, 20), 12), ((33, 33), 18), ((70,), 5)])
+def test_grouped_up_kernel(dtype, widths, r):
+    g = torch.Generator().manual_seed(sum(widths) + r)
+    M = 45
+    inputs = [torch.randn(M, len(widths) * r, generator=g).to(dtype)] + \
+             [(torch.randn(n, r, generator=g) / r ** 0.5).to(dtype) for n in widths]
+    upstream = [torch.randn(M, n, generator=g).to(dtype) for n in widths]
+    fn = lambda z, *Bs: kernels.grouped_up(z, list(Bs))
+    (out, grads), _ = triton_and_ref(fn, inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(lambda z, *Bs: kernels.grouped_up_ref(z, list(Bs)), inputs, upstream)
+    for a, b in zip(out + grads, ref_out + ref_grads):
+        torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel(dtype):
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2, 9, 48, generator=g).to(dtype), (1 + torch.rand(48, generator=g)).to(dtype)]
+    upstream = [torch.randn(2, 9, 48, generator=g).to(dtype)]
+    fn = lambda x, w: [kernels.rms_norm(x, w, 1e-5)]
+    (out, grads), _ = triton_and_ref(fn, inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(lambda x, w: [kernels.rms_norm_ref(x, w, 1e-5)], inputs, upstream)
+    for a, b in zip(out + grads, ref_out + ref_grads):
+        torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
+
+
+def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir):
+    common = [f"--data_dir={data_dir}", *TINY, "--max_iters=3", "--eval_interval=100", "--tp=2", "--batch_size=2"]
+    runs = {}
+    for backend in ("torch", "triton"):
+        torchrun(2, f"--out_dir={tmp_path / backend}", *common, f"--kernels={backend}")
+        runs[backend] = losses([json.loads(x) for x in open(tmp_path / backend / "metrics.jsonl")])
+    assert len(runs["torch"]) == 3
+    torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["torch"]), rtol=1e-5, atol=1e-5)
