@@ -3,6 +3,7 @@
     python bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
     python bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
     python bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
+    python bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
     python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
 
 Each prints a markdown table and writes bench-<name>.json. Each comparison is measured in one run,
@@ -63,6 +64,24 @@ def bench_archs(iters, extra):
                          "val_loss": rec[-1]["val_loss"]}
             rows.append([arch, f"{out[arch]['ms']:.1f}", f"{out[arch]['tokens_per_s']:,.0f}", f"{out[arch]['val_loss']:.3f}"])
     return table(["arch", "ms/iter", "tokens/s", f"val loss after {iters} iters"], rows), out
+
+
+def bench_pp(iters, extra):
+    """Pipeline stages on this machine: step time and stage-boundary volume, pp=1 vs pp=2."""
+    rows, out = [], {}
+    args = ["--n_layer=4", "--batch_size=2", "--gradient_accumulation_steps=4", f"--max_iters={iters}",
+            "--eval_interval=100000", *extra]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, nproc, layout in (("pp=1", 1, []), ("pp=2", 2, ["--pp=2"]), ("pp=2 gpipe", 2, ["--pp=2", "--pp_schedule=gpipe"]),
+                                    ("pp=2 x tp=2", 4, ["--pp=2", "--tp=2"])):
+            rec = train_run(nproc, [*args, *layout], f"{tmp}/{nproc}{len(layout)}")
+            last = [r for r in rec if "loss" in r][-1]
+            out[name] = {"ms": steady(rec, "ms"), "pp_mb": last["pp_bytes"] / 1e6, "tp_mb": last["tp_bytes"] / 1e6,
+                         "loss": last["loss"]}
+            rows.append([name, nproc, f"{out[name]['ms']:.1f}", f"{out[name]['pp_mb']:.2f}", f"{out[name]['tp_mb']:.2f}",
+                         f"{out[name]['loss']:.4f}"])
+    return table(["layout", "processes", "ms/iter", "p2p MB/iter (rank 0)", "TP MB/iter (rank 0)",
+                  f"loss at iter {iters - 1}"], rows), out
 
 
 def _traffic_worker(rank, world, store, cfg_kwargs, result):
@@ -189,12 +208,21 @@ def bench_layouts(iters, extra, tps):
             rows.append([tp, name, f"{r['ms']:.1f}", f"{tokens / r['ms'] * 1000:,.0f}", r["tp_calls"],
                          f"{r['tp_elements']:,}", f"{r['tp_mb']:.2f}", f"{r['saved_mb']:.1f}",
                          f"{r['ms'] / base['ms']:.2f}"])
+    table3 = []  # the paper's Table 3: activation memory saved per ms of recompute
+    for tp, res in out.items():
+        for name, r in res.items():
+            base = res.get(name.split(" recompute=")[0])
+            if " recompute=" in name and base:
+                saved, extra = base["saved_mb"] - r["saved_mb"], r["ms"] - base["ms"]
+                table3.append([tp, name, f"{saved:.1f}", f"{extra:+.1f}", f"{saved / extra:.2f}" if extra > 0 else "-"])
     title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, d_ff={cfg.mlp_width}, r={cfg.attn_rank}, heads={cfg.n_head}, "
              f"{tc.batch_size} x {cfg.block_size} tokens per step, fp32, one process per TP rank"
              + (" (tp=4 oversubscribes the 2 cores of this machine)" if 4 in tps and os.cpu_count() < 4 else ""))
     return title + "\n\n" + table(["tp", "variant", "ms/step", "tokens/s", "TP collectives/step",
                                     "TP elements/step", "TP MB/step",
-                                    "saved activations MB", "time vs cola/btp (or cola)"], rows), out
+                                    "saved activations MB", "time vs cola/btp (or cola)"], rows) + \
+        "\n\nRecompute (Table 3 of the paper)\n\n" + \
+        table(["tp", "variant", "MB saved vs none", "extra ms/step", "MB saved per ms"], table3), out
 
 
 def bench_traffic(extra, tp):
@@ -216,7 +244,7 @@ def bench_traffic(extra, tp):
 
 
 def main(argv):
-    if not argv or argv[0] not in ("archs", "traffic", "layouts", "model"):
+    if not argv or argv[0] not in ("archs", "traffic", "layouts", "pp", "model"):
         sys.exit(__doc__)
     what, iters, tps, extra = argv[0], 10, (1, 2, 4), []
     for arg in argv[1:]:
@@ -230,6 +258,8 @@ def main(argv):
         text, out = bench_archs(iters, extra)
     elif what == "layouts":
         text, out = bench_layouts(iters, extra, tps)
+    elif what == "pp":
+        text, out = bench_pp(iters, extra)
     elif what == "traffic":
         text, out = bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
     else:
