@@ -208,8 +208,9 @@ def test_bad_checkpoints(capsys, tmp_path, data_dir):
     expect_error(capsys, [*out, "--init_from=resume", "--arch=full"], "written with arch=cola, this run has arch=full")
     expect_error(capsys, [*out, "--init_from=resume", "--mlp_rank=4"], "written with mlp_rank=8, this run has mlp_rank=4")
     expect_error(capsys, [*out, "--init_from=resume", "--n_embd=64"], "written with n_embd=32, this run has n_embd=64")
-    expect_error(capsys, [*out[:1], f"--data_dir={tmp_path / 'gpt2data'}", *TINY, "--init_from=resume",
-                          "--tokenizer=gpt2"], "written with vocab_size=320, this run has vocab_size=50304")
+    if "TIKTOKEN_CACHE_DIR" in os.environ:  # another vocabulary needs the GPT-2 one
+        expect_error(capsys, [*out[:1], f"--data_dir={tmp_path / 'gpt2data'}", *TINY, "--init_from=resume",
+                              "--tokenizer=gpt2"], "written with vocab_size=320, this run has vocab_size=50304")
     ckpt = Path(checkpointing.checkpoint_dirs(tmp_path)[-1])
     metadata = (ckpt / ".metadata").read_bytes()
     (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))  # same size, garbage
