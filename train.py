@@ -41,7 +41,7 @@ class TrainConfig:
     eval_iters: int = 20           # batches per split in each evaluation
     init_from: str = "scratch"     # scratch | resume (the newest complete checkpoint) | auto (resume if one exists)
     keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
-    inject_fault: str = ""         # for tests: kill:N, nan:N or kill_in_save:N (first attempt only)
+    inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
     # data
     dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded) or a text file or folder
     tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
@@ -58,9 +58,9 @@ class TrainConfig:
     warmup_iters: int = 100
     lr_decay_iters: int = 0        # 0: max_iters
     min_lr: float = 3e-4
-    # parallelism (under torchrun: world size = dp × tp, TP peers are adjacent ranks)
+    # parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
-    dp: int = 0                    # data-parallel degree; 0: world size / tp
+    dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
     tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
     pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
@@ -132,7 +132,8 @@ def parse_args(argv):
             raise ValueError(f"--{key}={value} is not one of {', '.join(CHOICES[key])}")
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
-    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp", "pp"):
+    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp", "pp",
+                 "keep_checkpoints"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
     for name in ("max_iters", "dp"):
