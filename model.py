@@ -214,7 +214,7 @@ class Llama(nn.Module):
             for layer in self.layers:
                 x = layer(x, self.rope_cos, self.rope_sin)   # (b, s, d)
         else:
-            from checkpointing import run_layers
+            from checkpointing import run_layers  # here, not on top: checkpointing.py imports model.py
             x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         x = self.norm(x)
         if targets is None:

@@ -11,9 +11,11 @@ Every rank draws its share of the same global batch from (seed, step) (data.py),
 loss, the mean over the global batch, is comparable line by line across layouts.
 """
 import difflib
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -108,10 +110,13 @@ def options():
 
 
 def usage():
+    """Every option with its default and the comment it has in its dataclass."""
     lines = ["usage: [torchrun ...] train.py [--key=value ...]", ""]
     for cls, title in ((Config, "model"), (TrainConfig, "training")):
+        notes = dict(re.findall(r"^\s+(\w+): \w+ = [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
         lines.append(f"{title} options (default):")
-        lines += [f"  --{f.name}={f.default}" for f in fields(cls) if f.name != "vocab_size"]
+        lines += [(f"  --{f.name}={f.default}".ljust(34) + notes.get(f.name, "")).rstrip()
+                  for f in fields(cls) if f.name != "vocab_size"]
     return "\n".join(lines)
 
 
