@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import kernels
 from checkpointing import forward_chunks, run_layers
 from model import Llama, causal_attention, gated_product, latent_act
-from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, _all_gather_last
+from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last
 
 LAYOUTS = ("btp", "vanilla", "megatron")
 
@@ -71,6 +71,8 @@ def take(full, spec, tp):
 
 
 class Sharded(nn.Module):
+    """A module whose parameters are cut from the full model's state `full` by their Specs."""
+
     def __init__(self, tp, full):
         super().__init__()
         self.tp, self._full, self.specs = tp, full, {}
@@ -287,7 +289,7 @@ class TPLlama(Sharded):
         if self.pipelined:
             return x @ self.lm_head.t()                             # (b, s, V/t) to the schedule's loss
         if targets is None:
-            return _all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
+            return all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
         logits = x @ self.lm_head.t()                               # (b, s, V/t)
         loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
         return logits, loss

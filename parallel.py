@@ -57,7 +57,8 @@ def _all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
     return x
 
 
-def _all_gather_last(x, group, phase):
+def all_gather_last(x, group, phase):
+    """The tensors of the group's ranks concatenated along the last dim (no autograd)."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
@@ -106,7 +107,7 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.width = group, x.shape[-1]
-        return _all_gather_last(x, group, "fwd")
+        return all_gather_last(x, group, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
