@@ -165,11 +165,13 @@ def init_mesh(dp, tp, device_type, timeout_s, pp=1):
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:
             # torchrun's store outlives a restarted worker group, and so do the old group's addresses
             # in it: each attempt keeps its keys under its own prefix, or peers dial dead processes.
+            # The attempt is counted in the store itself (the restart count is per node).
+            world = int(os.environ["WORLD_SIZE"])
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   is_master=False, timeout=timeout)
-            store = dist.PrefixStore(f"boost/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+            attempt = (store.add("boost/arrivals", 1) - 1) // world
+            dist.init_process_group(backend, store=dist.PrefixStore(f"boost/attempt{attempt}", store),
+                                    rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
     mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
