@@ -23,8 +23,8 @@ One layer under BTP, segments [ ... ], all-reduces between them (b s elided; t =
 
 Saved per token per layer with `lowrank` (e = bytes per activation element; with rank ra for
 attention and rm for the MLP):
-  btp          4·(4·ra + 3·rm + 2) + 2·(d/t)·e   the all-reduced latents [with the norm statistic]
-                                                  are float32, plus the residuals x and x'
+  btp          (4·ra + 3·rm + 2 + 2·d/t)·e       the all-reduced latents (q/k/v and gate/up with
+                                                  their norm statistic) and the residuals x and x'
   one device   (4·ra + 3·rm + 2·d)·e             the latents A·x and the residuals x and x'
   vanilla      (4·ra/t + 3·rm/t + 2·d)·e         local latent slices, replicated residuals; here
                                                   each B ends in an all-reduce inside its segment,

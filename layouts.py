@@ -113,12 +113,14 @@ class BTPBlock(Sharded):
         As = [A] if self.grouped else list(A.split(r))
         if self.online_norm:
             parts = [kernels.norm_down(x, gamma, a) for a in As]                 # (b, s, n), (b, s, 1)
-            partials = [torch.cat([H.float(), S], -1) for H, S in parts]         # (b, s, n+1)
+            # the statistic travels in the latents' dtype (bf16 under autocast, like every TP
+            # all-reduce): its rounding is below that of the bf16 output it normalises
+            partials = [torch.cat([H, S.to(H.dtype)], -1) for H, S in parts]     # (b, s, n+1)
         else:
             S = x.float().pow(2).sum(-1, keepdim=True)                           # (b, s, 1) partial
             S = Copy.apply(Reduce.apply(S, self.tp.group), self.tp.group)  # every rank uses it: bwd sums
             h = (x * torch.rsqrt(S / self.cfg.n_embd + self.cfg.norm_eps)).to(x.dtype) * gamma
-            partials = [(h @ a.t()).float() for a in As]                         # (b, s, n)
+            partials = [h @ a.t() for a in As]                                   # (b, s, n)
         return partials[0] if self.grouped else partials
 
     def reduce(self, partial):
@@ -130,7 +132,7 @@ class BTPBlock(Sharded):
 
     def latent(self, HS):
         """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S], replicated."""
-        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:] / self.cfg.n_embd + self.cfg.norm_eps) \
+        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps) \
             if self.online_norm else HS
         return Copy.apply(self.act(z), self.tp.group)                            # (b, s, n)
 
