@@ -236,8 +236,9 @@ def grouped_mm(A, B, C, groups):
              for p0 in range(0, P, BP) for q0 in range(0, Q, BQ)]
     tiles_t = torch.tensor(tiles, dtype=torch.int64, device=c.device)
     meta_t = torch.tensor(groups, dtype=torch.int64, device=c.device)
+    up, ieee = _flags(a)
     _grouped_mm[(len(tiles),)](a, b, c, tiles_t, meta_t, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq,
-                               BP=BP, BQ=BQ, BK=BK, UPCAST=_flags(a)[0], IEEE=_flags(a)[1])
+                               BP=BP, BQ=BQ, BK=BK, UPCAST=up, IEEE=ieee)
     return c
 
 
