@@ -18,6 +18,7 @@ PyTorch reference (the specification, and the CPU path) or the Triton kernels, f
 On a machine without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
 here before the kernels are defined); it computes bf16 dots wrongly, so tiles are upcast there.
 """
+import functools
 import os
 
 import torch
@@ -227,18 +228,25 @@ if triton is not None:
         tl.store(dg_ptr + pid * N + cols, dg, mask=cols < N)
 
 
+@functools.lru_cache(maxsize=64)
+def _tile_schedule(groups, BP, BQ, device):
+    """The (group, p0, q0) of every program and the groups' metadata, as device tensors; cached,
+    since the same shapes come back every step."""
+    tiles = [(g, p0, q0) for g, (P, Q, *_) in enumerate(groups)
+             for p0 in range(0, P, BP) for q0 in range(0, Q, BQ)]
+    return (torch.tensor(tiles, dtype=torch.int64, device=device),
+            torch.tensor(groups, dtype=torch.int64, device=device))
+
+
 def grouped_mm(A, B, C, groups):
     """Launch _grouped_mm: groups is a list of (P, Q, K, a_row, a_col, b_row, b_col, c_row, c_col);
     A, B, C are given as (tensor, stride along P/K, stride along K/Q) views via their strides."""
     (a, s_ap, s_ak), (b, s_bk, s_bq), (c, s_cp, s_cq) = A, B, C
     BP, BQ, BK = _blocks()
-    tiles = [(g, p0, q0) for g, (P, Q, *_) in enumerate(groups)
-             for p0 in range(0, P, BP) for q0 in range(0, Q, BQ)]
-    tiles_t = torch.tensor(tiles, dtype=torch.int64, device=c.device)
-    meta_t = torch.tensor(groups, dtype=torch.int64, device=c.device)
+    tiles_t, meta_t = _tile_schedule(tuple(map(tuple, groups)), BP, BQ, c.device)
     up, ieee = _flags(a)
-    _grouped_mm[(len(tiles),)](a, b, c, tiles_t, meta_t, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq,
-                               BP=BP, BQ=BQ, BK=BK, UPCAST=up, IEEE=ieee)
+    _grouped_mm[(tiles_t.shape[0],)](a, b, c, tiles_t, meta_t, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq,
+                                     BP=BP, BQ=BQ, BK=BK, UPCAST=up, IEEE=ieee)
     return c
 
 
