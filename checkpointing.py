@@ -246,16 +246,16 @@ def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_pub
 
 
 def find(out_dir, init_from, config):
-    """The checkpoint to resume from (checked against config), or None to start from scratch."""
+    """(folder, meta) of the checkpoint to resume from, checked against config, or (None, None)
+    to start from scratch."""
     if init_from == "scratch":
-        return None
+        return None, None
     found = checkpoint_dirs(out_dir)
     if not found:
         if init_from == "resume":
             raise ValueError(f"--init_from=resume but there is no complete checkpoint in {out_dir}/checkpoints")
-        return None
-    read_meta(found[-1], config)
-    return found[-1]
+        return None, None
+    return found[-1], read_meta(found[-1], config)
 
 
 def check_writable(out_dir):

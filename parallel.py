@@ -207,10 +207,8 @@ def all_reduce_grads(model, dp_group):
     """The data-parallel mean of the gradients, where DDP is not used (under pipelining)."""
     size = dist.get_world_size(dp_group)
     for p in model.parameters():
-        if p.grad is not None and size > 1:
-            LEDGER.record("all_reduce", dp_group, p.grad, "grad")
-            dist.all_reduce(p.grad, group=dp_group)
-            p.grad.div_(size)
+        if p.grad is not None:
+            p.grad = _all_reduce(p.grad, dp_group, "grad").div_(size)
 
 
 class Pipeline:

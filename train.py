@@ -208,7 +208,7 @@ def main(argv):
         checkpointing.check_recompute(cfg, tc.recompute)
         device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         kernels.select(tc.kernels, device)
-        resume_from = checkpointing.find(tc.out_dir, tc.init_from, cfg.shape())
+        resume_from, resume_meta = checkpointing.find(tc.out_dir, tc.init_from, cfg.shape())
         checkpointing.check_writable(tc.out_dir)
     except ValueError as e:
         fail(e)
@@ -252,7 +252,7 @@ def main(argv):
             checkpointing.load(resume_from, raw_model, optimizer, ckpt_mesh)
         except ValueError as e:
             fail(e)
-        iter_num = checkpointing.read_meta(resume_from, cfg.shape())["iter_num"]
+        iter_num = resume_meta["iter_num"]
         log(f"resuming from {resume_from} (iteration {iter_num})")
     model = torch.compile(raw_model) if tc.compile else raw_model
     pipe = parallel.Pipeline(raw_model, mesh, micro_steps, tc.pp_schedule, device) if tc.pp > 1 else None
@@ -282,6 +282,11 @@ def main(argv):
             x, y = tokens.batch(tc.seed, stream, step, global_batch, start, tc.batch_size)
             yield x.to(device), y.to(device)   # (b, s), (b, s)
 
+    def whole(tokens, stream, step):
+        """This rank's micro-batches in one tensor each, for the pipeline schedule to split."""
+        xs, ys = zip(*shares(tokens, stream, step))
+        return torch.cat(xs), torch.cat(ys)   # (micro_steps·b, s) each
+
     def estimate_loss():
         """Mean loss over eval_iters fixed global batches per split (the same at every evaluation)."""
         model.eval()
@@ -290,9 +295,8 @@ def main(argv):
             total = 0.0
             for k in range(tc.eval_iters):
                 if pipe:
-                    xs, ys = zip(*shares(tokens, f"eval-{split}", k))
                     with autocast:
-                        total += pipe.run(torch.cat(xs), torch.cat(ys), train=False)
+                        total += pipe.run(*whole(tokens, f"eval-{split}", k), train=False)
                     continue
                 for x, y in shares(tokens, f"eval-{split}", k):
                     with autocast:
@@ -329,19 +333,19 @@ def main(argv):
         loss_sum = 0.0
         LEDGER.reset()
         if pipe:  # the schedule runs this rank's micro-batches through the stages, forward and backward
-            xs, ys = zip(*shares(splits["train"], "train", iter_num))
             with autocast:
-                loss_sum = pipe.run(torch.cat(xs), torch.cat(ys))
+                loss_sum = pipe.run(*whole(splits["train"], "train", iter_num))
             parallel.all_reduce_grads(raw_model, dp_group)
-        for micro, (x, y) in enumerate(() if pipe else shares(splits["train"], "train", iter_num)):
-            sync = micro == micro_steps - 1 or dp == 1
-            with (nullcontext() if sync else model.no_sync()), autocast:
-                _, loss = model(x, y)
-                loss = loss / micro_steps
-                if fault_at(tc, "nan", iter_num):
-                    loss = loss * float("nan")
-            loss.backward()
-            loss_sum += loss.item()
+        else:
+            for micro, (x, y) in enumerate(shares(splits["train"], "train", iter_num)):
+                sync = micro == micro_steps - 1 or dp == 1
+                with (nullcontext() if sync else model.no_sync()), autocast:
+                    _, loss = model(x, y)
+                    loss = loss / micro_steps
+                    if fault_at(tc, "nan", iter_num):
+                        loss = loss * float("nan")
+                loss.backward()
+                loss_sum += loss.item()
         grad_norm = parallel.clip_grad_norm(raw_model, tc.grad_clip if tc.grad_clip > 0 else float("inf"),
                                             mesh.get_group("pp") if pipe else None)
         if not torch.isfinite(grad_norm):  # the same on every rank: gradients are all-reduced
