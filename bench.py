@@ -5,11 +5,14 @@
     python bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
     python bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
     python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
+    python bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
 
-Each prints a markdown table and writes bench-<name>.json. Each comparison is measured in one run,
-the configurations interleaved step by step, since these machines are noisy. Extra `--key=value`
-arguments set the model as in train.py; `--iters=N` the timed steps per configuration; `--tp=2,4`
-the TP degrees of `layouts`.
+Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
+bench-results/, which git ignores). Each comparison is measured in one run, the configurations
+interleaved step by step, since these machines are noisy. Extra `--key=value` arguments set the
+model as in train.py; `--iters=N` the timed steps per configuration; `--tp=2,4` the TP degrees of
+`layouts`; `--mb=N` the size of `data`'s corpus and `--keep=DIR` where to keep it (default: a
+temporary folder). `python bench.py -h` prints this.
 """
 import json
 import os
@@ -39,7 +42,8 @@ def train_run(nproc, args, out_dir):
                           "--log_interval=1", *args], capture_output=True, text=True, env=env, timeout=3600)
     if res.returncode:
         sys.exit(f"train.py {' '.join(args)} failed:\n{res.stderr[-2000:]}")
-    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+    return [r for r in records if "event" not in r]
 
 
 def steady(records, key):
@@ -202,8 +206,8 @@ def measure(world, names, cfg, batch, iters):
 
 def bench_layouts(iters, extra, tps):
     """The paper's comparison on this machine: the layouts at each TP degree, then the ablations."""
-    import train
-    cfg, tc = train.parse_args(["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8", *extra])
+    import options
+    cfg, tc = options.parse_args(["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8", *extra])
     tokens = tc.batch_size * cfg.block_size
     rows, out = [], {}
     for tp in tps:
@@ -236,8 +240,8 @@ def bench_layouts(iters, extra, tps):
 def bench_traffic(extra, tp):
     import torch.multiprocessing as mp
     from model import Config
-    import train
-    cfg, _ = train.parse_args(extra)
+    import options
+    cfg, _ = options.parse_args(extra)
     kwargs = {k: v for k, v in cfg.shape().items()}
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_traffic_worker, args=(tp, f"{tmp}/store", kwargs, f"{tmp}/out.json"), nprocs=tp,
@@ -252,16 +256,29 @@ def bench_traffic(extra, tp):
 
 
 def main(argv):
-    if not argv or argv[0] not in ("archs", "traffic", "layouts", "pp", "model"):
-        sys.exit(__doc__)
-    what, iters, tps, extra = argv[0], 10, (1, 2, 4), []
-    for arg in argv[1:]:
-        if arg.startswith("--iters="):
-            iters = int(arg.split("=", 1)[1])
-        elif arg.startswith("--tp="):
-            tps = tuple(int(t) for t in arg.split("=", 1)[1].split(","))
-        else:
-            extra.append(arg)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    if not argv or argv[0] not in ("archs", "traffic", "layouts", "pp", "model", "data"):
+        sys.exit("error: name one of archs, traffic, layouts, pp, model, data (python bench.py -h)")
+    what, iters, tps, extra, json_dir = argv[0], 10, (1, 2, 4), [], ROOT / "bench-results"
+    mb, keep = 1024, None
+    try:
+        for arg in argv[1:]:
+            if arg.startswith("--iters="):
+                iters = int(arg.split("=", 1)[1])
+            elif arg.startswith("--tp="):
+                tps = tuple(int(t) for t in arg.split("=", 1)[1].split(","))
+            elif arg.startswith("--json_dir="):
+                json_dir = Path(arg.split("=", 1)[1])
+            elif arg.startswith("--mb="):
+                mb = int(arg.split("=", 1)[1])
+            elif arg.startswith("--keep="):
+                keep = arg.split("=", 1)[1]
+            else:
+                extra.append(arg)
+    except ValueError as e:
+        sys.exit(f"error: {e} (python bench.py -h)")
     if what == "archs":
         text, out = bench_archs(iters, extra)
     elif what == "layouts":
@@ -270,11 +287,17 @@ def main(argv):
         text, out = bench_pp(iters, extra)
     elif what == "traffic":
         text, out = bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
+    elif what == "data":
+        import bench_data
+        title, header, rows, note, out = bench_data.bench_data(mb, keep)
+        text = f"{title}\n\n{table(header, rows)}\n\n{note}"
     else:
         import costmodel
         text, out = costmodel.report()
     print(text)
-    Path(f"bench-{what}.json").write_text(json.dumps(out, indent=1))
+    json_dir.mkdir(parents=True, exist_ok=True)
+    (json_dir / f"bench-{what}.json").write_text(json.dumps(out, indent=1))
+    print(f"\n(written to {json_dir / f'bench-{what}.json'})")
 
 
 if __name__ == "__main__":

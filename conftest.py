@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import prepare
 import train
 from model import Config
 
@@ -29,14 +30,14 @@ TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_si
 def data_dir(tmp_path_factory):
     """One prepared copy of the embedded corpus for the whole session."""
     d = tmp_path_factory.mktemp("data")
-    data.prepare(data.EMBEDDED, "bytes", d, log=lambda *a: None)
+    prepare.prepare(data.EMBEDDED, "bytes", d, log=lambda *a: None)
     return d
 
 
 def run_train(out_dir, data_dir, *args):
-    """train.main in this process; returns the metrics.jsonl records."""
+    """train.main in this process; returns the metrics.jsonl records (events left out)."""
     train.main([f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, *args])
-    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+    return metrics(out_dir)
 
 
 def losses(records):
@@ -55,8 +56,10 @@ def torchrun(nproc, *args, timeout=300, launcher=(), check=True):
     return res
 
 
-def metrics(out_dir):
-    return [json.loads(x) for x in open(Path(out_dir) / "metrics.jsonl")]
+def metrics(out_dir, events=False):
+    """The iteration records of metrics.jsonl; with events=True the event lines too."""
+    records = [json.loads(x) for x in open(Path(out_dir) / "metrics.jsonl")]
+    return records if events else [r for r in records if "event" not in r]
 
 
 def spawn(world, fn, *args, timeout=240):

@@ -44,14 +44,16 @@ def check_divisible(cfg, tp, layout, pp=1):
         raise ValueError(f"tp_mode=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
     if layout != "megatron" and not cfg.lowrank:
         raise ValueError(f"tp_mode={layout} splits bottlenecks; arch=full uses tp_mode=megatron")
-    splits = {"vocab_size": cfg.vocab_size}
     if layout != "vanilla":
-        splits.update(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
+        splits = dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
     else:
-        splits.update(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank)
+        splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank)
     for name, value in splits.items():
         if value % tp:
             raise ValueError(f"tp={tp} does not divide {name}={value} (tp_mode={layout})")
+    if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
+        raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the tokenizer's, "
+                         "padded to a multiple of 64): use a tp that divides 64")
 
 
 @dataclass

@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import checkpointing
 import data
+import train_state
+import options
+import prepare
 import train
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
 from model import Bottleneck, Config, Llama
@@ -110,20 +112,21 @@ def test_gpt2_tokenizer_round_trip():
 def test_prepare_reuses_and_reprepares(tmp_path):
     src = tmp_path / "corpus"
     src.mkdir()
-    (src / "a.txt").write_text("alpha beta gamma " * 200)
-    (src / "b.bin").write_bytes(bytes(range(256)) * 4)  # not UTF-8: skipped
+    for i in range(20):
+        (src / f"a{i:02d}.txt").write_text(f"alpha beta gamma {i} " * 200)
     messages = []
-    out = data.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    out = prepare.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["train_tokens"] + meta["val_tokens"] == 17 * 200 + 1 and meta["vocab_size"] == 257
-    assert len(messages) == 1
-    data.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    assert meta["train_tokens"] + meta["val_tokens"] == sum(len(f"alpha beta gamma {i} " * 200) + 1 for i in range(20))
+    assert meta["vocab_size"] == 257 and meta["documents"] == 20
+    assert len(messages) == 1 and "20 documents" in messages[0]
+    prepare.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
     assert len(messages) == 1  # reused
-    (src / "a.txt").write_text("delta " * 300)
-    os.utime(src / "a.txt", ns=(1, 1))
-    data.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    (src / "a00.txt").write_text("delta " * 300)
+    os.utime(src / "a00.txt", ns=(1, 1))
+    prepare.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["train_tokens"] + meta["val_tokens"] == 6 * 300 + 1 and "changed" in messages[1]
+    assert meta["documents"] == 20 and "changed" in messages[1]
 
 
 def test_batches_deterministic_and_shared(data_dir):
@@ -141,7 +144,7 @@ def test_batches_deterministic_and_shared(data_dir):
 # ---------------------------------------------------------------------------- training
 
 def test_short_run_lowers_loss_below_unigram_entropy(tmp_path, data_dir):
-    records = run_train(tmp_path, data_dir, "--max_iters=60", "--eval_interval=60", "--learning_rate=1e-2")
+    records = run_train(tmp_path, data_dir, "--max_iters=100", "--eval_interval=100", "--learning_rate=1e-2")
     entropy = data.unigram_entropy(data.prepared_dir(data.EMBEDDED, "bytes", data_dir))
     assert records[-1]["val_loss"] < entropy < records[0]["val_loss"]
     assert all({"iter", "loss", "lr", "ms", "tokens_per_s"} <= r.keys() for r in records[:-1])
@@ -161,7 +164,7 @@ def test_data_parallel_equals_single_process(tmp_path, data_dir):
               "--gradient_accumulation_steps=4", "--batch_size=2"]
     single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
     torchrun(2, f"--out_dir={tmp_path / 'two'}", *common)
-    double = losses([json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")])
+    double = losses(metrics(tmp_path / "two"))
     assert len(single) == 4
     torch.testing.assert_close(torch.tensor(double), torch.tensor(single), rtol=1e-5, atol=1e-6)
 
@@ -194,11 +197,17 @@ def test_bad_corpora(capsys, tmp_path):
     empty.mkdir()
     (empty / "x.bin").write_bytes(b"\xff\xfe\x00" * 10)
     expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", f"--dataset={empty}"],
-                 "holds no UTF-8 text")
+                 f"{empty} ({empty / 'x.bin'} (binary) skipped) is too small to split: 0 documents, 0 tokens")
     short = tmp_path / "short.txt"
     short.write_text("too short " * 20)
     expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", f"--dataset={short}"],
-                 "fewer than block_size+1=129")
+                 "is too small to split: 1 documents, 201 tokens; 0 pieces of up to 16 KiB drew train and 1 val")
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (two / name).write_text("short " * 20)
+    expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", f"--dataset={two}"],
+                 "split of", "(train 121, val 121), fewer than block_size+1=129")
 
 
 def test_bad_checkpoints(capsys, tmp_path, data_dir):
@@ -210,15 +219,23 @@ def test_bad_checkpoints(capsys, tmp_path, data_dir):
     expect_error(capsys, [*out, "--init_from=resume", "--n_embd=64"], "written with n_embd=32, this run has n_embd=64")
     if "TIKTOKEN_CACHE_DIR" in os.environ:  # another vocabulary needs the GPT-2 one
         expect_error(capsys, [*out[:1], f"--data_dir={tmp_path / 'gpt2data'}", *TINY, "--init_from=resume",
-                              "--tokenizer=gpt2"], "written with vocab_size=320, this run has vocab_size=50304")
-    ckpt = Path(checkpointing.checkpoint_dirs(tmp_path)[-1])
+                              "--tokenizer=gpt2"], "written with --tokenizer=bytes (vocabulary 320), "
+                     "this run has --tokenizer=gpt2 (vocabulary 50304)")
+    ckpt = Path(train_state.checkpoint_dirs(tmp_path)[-1])
     metadata = (ckpt / ".metadata").read_bytes()
     (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))  # same size, garbage
+    expect_error(capsys, [*out, "--init_from=resume"], "no usable checkpoint", ".metadata fails its checksum")
+    (ckpt / ".metadata").write_bytes(metadata)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for f in meta["files"].values():
+        del f["crc32"]   # as written before checksums: sizes are still checked, DCP's own errors too
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))
     expect_error(capsys, [*out, "--init_from=resume"], "unreadable or corrupt")
     (ckpt / ".metadata").write_bytes(metadata)
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    expect_error(capsys, [*out, "--init_from=resume"], "is truncated or corrupt", shard.name)
+    expect_error(capsys, [*out, "--init_from=resume"], f"{shard.name} has 100 bytes", "(truncated)")
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     expect_error(capsys, [f"--out_dir={blocker / 'out'}"], "cannot be written")
@@ -227,7 +244,7 @@ def test_bad_checkpoints(capsys, tmp_path, data_dir):
 def test_help_lists_every_option(capsys):
     train.main(["-h"])
     out = capsys.readouterr().out
-    for name in train.options():
+    for name in options.options():
         assert f"--{name}=" in out
 
 
@@ -246,7 +263,7 @@ def straight(tmp_path_factory, data_dir):
 def test_checkpoint_reshards_across_layouts(tmp_path, data_dir, straight):
     common = [f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
     torchrun(2, f"--out_dir={tmp_path / 'tp2'}", *common, "--max_iters=4", "--tp=2")
-    written = checkpointing.checkpoint_dirs(tmp_path / "tp2")
+    written = train_state.checkpoint_dirs(tmp_path / "tp2")
     assert [Path(d).name for d in written] == ["iter_0000004"]
     for name, nproc, layout in (("tp1", 1, []), ("tp4", 4, ["--tp=4"]), ("dp2tp2", 4, ["--tp=2", "--dp=2"])):
         shutil.copytree(tmp_path / "tp2" / "checkpoints", tmp_path / name / "checkpoints")
@@ -262,7 +279,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, data_dir, straight
     common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=12"]
     res = torchrun(1, *common, "--inject_fault=kill_in_save:8", check=False)
     assert res.returncode != 0
-    assert [Path(d).name for d in checkpointing.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
+    assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
     assert (tmp_path / "checkpoints" / "iter_0000008.tmp").is_dir()  # the half-written one, ignored
     (tmp_path / "metrics.jsonl").unlink()
     res = torchrun(1, *common[:-1], "--max_iters=8", "--init_from=resume")
@@ -287,7 +304,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, str
     res = torchrun(1, *common, "--inject_fault=nan:6", check=False)
     assert res.returncode == 2
     assert "not finite at iteration 6" in res.stderr and "iter_0000004) is untouched" in res.stderr
-    assert [Path(d).name for d in checkpointing.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
+    assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
     (tmp_path / "metrics.jsonl").unlink()
     torchrun(1, *common, "--init_from=resume")
     assert losses(metrics(tmp_path)) == straight[4:]
@@ -295,15 +312,15 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, str
 
 def test_export_unsharded_and_generate(tmp_path, data_dir):
     torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=4", "--tp=2")
-    ckpt = checkpointing.checkpoint_dirs(tmp_path)[-1]
-    subprocess.run([sys.executable, str(ROOT / "checkpointing.py"), "export", ckpt, str(tmp_path / "model.pt")],
+    ckpt = train_state.checkpoint_dirs(tmp_path)[-1]
+    subprocess.run([sys.executable, str(ROOT / "train_state.py"), "export", ckpt, str(tmp_path / "model.pt")],
                    check=True, timeout=120, cwd=ROOT)
-    exported, tokenizer = checkpointing.load_exported(str(tmp_path / "model.pt"))
-    cfg, tc = train.parse_args([*TINY, *CKPT_RUN])
+    exported, tokenizer = train_state.load_exported(str(tmp_path / "model.pt"))
+    cfg, tc = options.parse_args([*TINY, *CKPT_RUN])
     cfg.vocab_size = 320
     direct = Llama(cfg)
     opt = train.configure_optimizer(direct, tc)
-    checkpointing.load(ckpt, direct, opt, None)  # the sharded checkpoint read by one process
+    train_state.load(ckpt, direct, opt, None)  # the sharded checkpoint read by one process
     assert tokenizer == "bytes"
     for (name, a), b in zip(exported.state_dict().items(), direct.state_dict().values()):
         assert torch.equal(a, b), name

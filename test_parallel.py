@@ -163,7 +163,7 @@ def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, 
               "--gradient_accumulation_steps=2", "--batch_size=2", f"--recompute={recompute}", f"--dtype={dtype}"]
     single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
     torchrun(nproc, f"--out_dir={tmp_path / 'tp'}", *common, "--tp=2", f"--tp_mode={layout}", f"--dp={dp}")
-    records = [json.loads(x) for x in open(tmp_path / "tp" / "metrics.jsonl")]
+    records = metrics(tmp_path / "tp")
     assert len(single) == 5 and all(r["tp_bytes"] > 0 for r in records if "loss" in r)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-3, atol=1e-3)  # bf16 autocast
     torch.testing.assert_close(torch.tensor(losses(records)), torch.tensor(single), **tol)
@@ -302,11 +302,15 @@ def test_cost_model_matches_model_and_ledger():
 def test_bench_runs_end_to_end(tmp_path):
     tiny = ["--n_embd=32", "--n_layer=2", "--n_head=4", "--block_size=16", "--batch_size=2", "--iters=1"]
     for what in (["layouts", "--tp=1,2", *tiny], ["traffic", "--n_embd=32", "--n_head=4"], ["model"]):
-        res = subprocess.run([sys.executable, str(ROOT / "bench.py"), *what], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        res = subprocess.run([sys.executable, str(ROOT / "bench.py"), *what, f"--json_dir={tmp_path / 'j'}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, res.stderr[-2000:]
-        assert json.loads((tmp_path / f"bench-{what[0]}.json").read_text())
-    assert "cola/btp recompute=lowrank" in (tmp_path / "bench-layouts.json").read_text()
+        assert json.loads((tmp_path / "j" / f"bench-{what[0]}.json").read_text())
+    assert "cola/btp recompute=lowrank" in (tmp_path / "j" / "bench-layouts.json").read_text()
+    assert not list(tmp_path.glob("*.json"))  # nothing in the current directory
+    res = subprocess.run([sys.executable, str(ROOT / "bench.py"), "-h"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "python bench.py layouts" in res.stdout
 
 
 # ---------------------------------------------------------------------------- pipeline parallelism

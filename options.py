@@ -1,0 +1,198 @@
+"""options.py: train.py's options: their defaults, the --key=value parser, and every check made
+before any work.
+
+Not in the BOOST paper (arXiv 2512.12131). The model's options are model.Config's fields, the rest
+TrainConfig's; names follow nanoGPT. A wrong name (with the closest ones suggested), a value of the
+wrong type or out of range, a shape that cannot be built or a layout that cannot split it is a
+ValueError with one clear line, which train.py prints as `error: ...` and exits 2, before any work.
+"""
+import difflib
+import inspect
+import math
+import os
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+import checkpointing
+import data
+import kernels
+import layouts
+from model import ARCHS, Config
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 250       # evaluate and save a checkpoint every this many iterations
+    log_interval: int = 10
+    eval_iters: int = 20           # batches per split in each evaluation
+    init_from: str = "scratch"     # scratch | resume (the newest good checkpoint) | auto (resume if one exists)
+    overwrite: bool = False        # with scratch: discard the out_dir's earlier run (its checkpoints and metrics)
+    keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
+    inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
+    # data
+    dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded) or a text file or folder
+    tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
+    data_dir: str = "data"         # where prepared token files are kept
+    num_proc: int = 0              # processes preparing a corpus; 0: every CPU (prepare.py)
+    val_fraction: float = 0.1      # share of the corpus's documents (pieces of at most 16 KiB) held out
+    text_field: str = "text"       # the field of a JSON line that holds its text
+    batch_size: int = 16           # sequences per micro-step per data-parallel rank
+    gradient_accumulation_steps: int = 1  # micro-steps per iteration, in total over the dp ranks
+    # AdamW and the cosine schedule
+    learning_rate: float = 3e-3
+    max_iters: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0         # 0: no clipping
+    warmup_iters: int = 100
+    lr_decay_iters: int = 0        # 0: max_iters
+    min_lr: float = 3e-4
+    # parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
+    tp: int = 1                    # tensor-parallel degree
+    dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
+    tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
+    pp: int = 1                    # pipeline stages (n_layer / pp layers each)
+    pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
+    recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
+    kernels: str = "auto"          # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
+    # system
+    device: str = "auto"           # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
+    compile: bool = False
+    seed: int = 1337
+    peak_tflops: float = 0.0       # your device's peak, for MFU; 0: report TFLOP/s only
+    sample_tokens: int = 200       # generated at the end; 0: none
+    timeout_s: int = 600           # process-group timeout
+
+
+CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
+           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
+           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
+FAULTS = ("kill", "nan", "kill_in_save")
+
+
+def _convert(key, typ, text):
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"--{key} expects true or false, got {text!r}")
+    try:
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"--{key} expects {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+
+
+def options():
+    """Every command-line option: name -> (dataclass, field). vocab_size comes from the tokeniser."""
+    return {f.name: (cls, f) for cls in (Config, TrainConfig) for f in fields(cls) if f.name != "vocab_size"}
+
+
+def usage():
+    """Every option with its default and the comment it has in its dataclass."""
+    lines = ["usage: [torchrun ...] train.py [--key=value ...]", ""]
+    for cls, title in ((Config, "model"), (TrainConfig, "training")):
+        notes = dict(re.findall(r"^\s+(\w+): \w+ = [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+        lines.append(f"{title} options (default):")
+        lines += [(f"  --{f.name}={f.default}".ljust(34) + notes.get(f.name, "")).rstrip()
+                  for f in fields(cls) if f.name != "vocab_size"]
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    """--key=value arguments -> (model Config, TrainConfig); raises ValueError with one clear line."""
+    known, given = options(), {Config: {}, TrainConfig: {}}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"expected --key=value, got {arg!r} (-h lists the options)")
+        key, text = arg[2:].split("=", 1)
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else " (-h lists them)"
+            raise ValueError(f"unknown option --{key}{hint}")
+        cls, f = known[key]
+        value = _convert(key, type(f.default), text)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ValueError(f"--{key}={value} is not one of {', '.join(CHOICES[key])}")
+        given[cls][key] = value
+    tc = TrainConfig(**given[TrainConfig])
+    check_values(tc)
+    return Config(**given[Config]), tc
+
+
+def check_values(tc):
+    """Every training value in its range (ValueError naming the option): nothing starts otherwise."""
+    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp", "pp",
+                 "keep_checkpoints", "timeout_s"):
+        if getattr(tc, name) < 1:
+            raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
+    for name in ("max_iters", "dp", "warmup_iters", "lr_decay_iters", "seed", "sample_tokens"):
+        if getattr(tc, name) < 0:
+            raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
+    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1", "beta2"):
+        if not math.isfinite(getattr(tc, name)):
+            raise ValueError(f"{name}={getattr(tc, name)} must be a finite number")
+    if tc.learning_rate <= 0:
+        raise ValueError(f"learning_rate={tc.learning_rate} must be positive")
+    for name in ("min_lr", "weight_decay", "grad_clip", "peak_tflops"):
+        if getattr(tc, name) < 0:
+            raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
+    if tc.min_lr > tc.learning_rate:
+        raise ValueError(f"min_lr={tc.min_lr} is above learning_rate={tc.learning_rate}: the schedule decays "
+                         "from learning_rate to min_lr, so lower --min_lr")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(tc, name) < 1:
+            raise ValueError(f"{name}={getattr(tc, name)} must be at least 0 and below 1")
+    if 0 < tc.lr_decay_iters < tc.warmup_iters:
+        raise ValueError(f"lr_decay_iters={tc.lr_decay_iters} ends before warmup_iters={tc.warmup_iters}")
+    if tc.inject_fault and (tc.inject_fault.split(":")[0] not in FAULTS or not tc.inject_fault.split(":")[-1].isdigit()):
+        raise ValueError(f"inject_fault={tc.inject_fault} is not kill:N, nan:N or kill_in_save:N")
+    if tc.overwrite and tc.init_from != "scratch":
+        raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} continues it: choose one")
+    data.check_prepare_options(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
+    if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
+        raise ValueError(f"out_dir={tc.out_dir} is a file, not a folder")
+    check_device(tc.device)
+
+
+def check_device(device):
+    """auto, cpu, cuda or cuda:N, where that device exists."""
+    if device in ("auto", "cpu"):
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device={device} is not auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device} but this machine has no CUDA device (use --device=cpu or auto)")
+    if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise ValueError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA devices")
+
+
+def vocab_size(tokenizer):
+    """The model's vocabulary: the tokenizer's, padded to a multiple of 64 (fast, divisible by tp)."""
+    return 64 * math.ceil(data.get_tokenizer(tokenizer).n_vocab / 64)
+
+
+def plan_parallel(cfg, tc, world):
+    """(dp, layout) for this world size; ValueError when the layout cannot split the model."""
+    dp = tc.dp or max(1, world // (tc.tp * tc.pp))
+    if dp * tc.pp * tc.tp != world:
+        raise ValueError(f"world size {world} is not dp × pp × tp = {dp} × {tc.pp} × {tc.tp}: "
+                         "set --dp, --pp and --tp, or torchrun --nproc_per_node")
+    if tc.gradient_accumulation_steps % dp:
+        raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by "
+                         f"the {dp} data-parallel ranks")
+    layout = tc.tp_mode if tc.tp_mode != "auto" else ("btp" if cfg.lowrank else "megatron")
+    if tc.tp > 1 or tc.pp > 1:
+        layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
+    if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
+        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: raise "
+                         f"gradient_accumulation_steps to {tc.pp * dp} or use --pp_schedule=gpipe")
+    return dp, layout
+
+

@@ -1,0 +1,185 @@
+"""rundir.py: a run's out_dir and lifetime: who owns the folder, its metrics log, and interrupts.
+
+Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py safe to leave alone:
+
+- An out_dir belongs to one run. While a run lives it holds an fcntl lock on <out_dir>/run.lock
+  (the kernel frees it when the process dies, so a crashed run never blocks the next); a second
+  run into the same out_dir is refused. A run from scratch into an out_dir that holds an earlier
+  run's checkpoints or metrics is refused too, unless it is told to discard them (--overwrite),
+  or it is the same torchrun job restarting (--max-restarts) before its first checkpoint.
+  <out_dir>/run.json names the run (its id, carried over by every resume, marks its checkpoints).
+- metrics.jsonl: one JSON line per logged iteration, and event lines {"event": "start" | "resume" |
+  "interrupted" | "end", ...}. A resumed run appends to the log; the iterations after a "resume"
+  event replace any of the same number before it (rows of an interrupted attempt are kept).
+- Interrupts. SIGINT (Ctrl-C) and SIGTERM (what schedulers send before they kill a job; torchrun
+  forwards both to its workers and waits 30 s before SIGKILL) set a flag; the loop finishes the
+  current step, the ranks agree, it saves a checkpoint and exits 128 + the signal number. A second
+  signal stops at once. Before the loop starts, a signal stops at once (there is nothing to save).
+"""
+import fcntl
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+_held = []  # open lock files: alive as long as the run
+
+
+def lock(out_dir):
+    """Hold <out_dir>/run.lock for the life of this process; ValueError if another run holds it."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(os.path.join(out_dir, "run.lock"), "a+")
+    except OSError as e:
+        raise ValueError(f"out_dir {out_dir} cannot be written ({e.strerror})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"out_dir {out_dir} is in use by a live run ({owner}): wait for it to end "
+                         "or choose another --out_dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held.append(f)
+    return f
+
+
+def unlock(f):
+    if f in _held:
+        _held.remove(f)
+        f.close()
+
+
+def _earlier_run(out_dir):
+    """What an earlier run left in out_dir: a list of 'N checkpoints', 'metrics.jsonl'."""
+    found = []
+    ckpts = [d for d in os.listdir(os.path.join(out_dir, "checkpoints")) if d.startswith("iter_")] \
+        if os.path.isdir(os.path.join(out_dir, "checkpoints")) else []
+    if ckpts:
+        found.append(f"{len(ckpts)} checkpoint folder{'s' if len(ckpts) > 1 else ''}")
+    if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        found.append("metrics.jsonl")
+    return found
+
+
+def _restarted_job(out_dir):
+    """True when torchrun restarted this job (--max-restarts) and out_dir is its own first attempt's."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    try:
+        with open(os.path.join(out_dir, "run.json")) as f:
+            return json.load(f).get("torchrun_job") == os.environ.get("TORCHELASTIC_RUN_ID")
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def check_scratch(out_dir, overwrite):
+    """Before a run from scratch: ValueError if out_dir holds an earlier run (unless overwrite)."""
+    found = _earlier_run(out_dir)
+    if found and not overwrite and not _restarted_job(out_dir):
+        raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): continue it with "
+                         "--init_from=resume, choose another --out_dir, or discard it with --overwrite=true")
+
+
+def discard(out_dir):
+    """--overwrite: remove what an earlier run wrote (checkpoints/iter_*, metrics.jsonl, run.json)."""
+    for d in sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) \
+            if os.path.isdir(os.path.join(out_dir, "checkpoints")) else []:
+        if d.startswith("iter_"):
+            shutil.rmtree(os.path.join(out_dir, "checkpoints", d))
+    for name in ("metrics.jsonl", "run.json"):
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+
+
+def new_run_id():
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def write_run(out_dir, run_id, argv):
+    """<out_dir>/run.json: which run the folder belongs to."""
+    info = {"run_id": run_id, "argv": argv, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "torchrun_job": os.environ.get("TORCHELASTIC_RUN_ID")}
+    tmp = os.path.join(out_dir, f"run.json.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "run.json"))
+
+
+class Metrics:
+    """metrics.jsonl, appended and flushed line by line (rank 0 only; a no-op elsewhere)."""
+
+    def __init__(self, out_dir, active):
+        self.f = open(os.path.join(out_dir, "metrics.jsonl"), "a") if active else None
+
+    def write(self, record):
+        if self.f:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def event(self, name, **fields):
+        self.write({"event": name, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **fields})
+
+    def close(self):
+        if self.f:
+            self.f.close()
+
+
+class Interrupt:
+    """SIGINT and SIGTERM handlers: the first asks the loop to save and stop, the second stops now."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, say):
+        self.say, self.signum, self.armed = say, 0, False
+        self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.armed:
+            self.say(f"{name} before training started: stopped (nothing to save)")
+            sys.exit(128 + signum)
+        if self.signum:
+            self.say(f"{name} again: stopped at once, without saving")
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        self.signum = signum
+        self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops at once)")
+
+    def agreed(self, device):
+        """The signal number if any rank was interrupted (collective under torchrun), else 0."""
+        if not dist.is_initialized():
+            return self.signum
+        flag = torch.tensor([self.signum], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def peak_memory_gb(device):
+    """This rank's peak memory: CUDA max allocated on a GPU, peak resident set size elsewhere."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+def duration(seconds):
+    """1h02m, 3m07s, 12.3s."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"

@@ -1,0 +1,253 @@
+"""test_runs.py: safe runs (rundir.py, train_state.py, options.py): an out_dir belongs to one run,
+checkpoints are verified by content, interrupts save and resume exactly, every bad value is a
+one-line error, and the log says where the run stands. Each test names the README guarantee it
+proves. Run: .venv/bin/python -m pytest -q
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import options
+import train_state
+from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
+
+RUN = ["--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8", "--batch_size=2"]
+
+
+def files_of(out_dir):
+    """{relative path: bytes} of everything a run wrote (the lock file aside)."""
+    root = Path(out_dir)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "run.lock"}
+
+
+# ---------------------------------------------------------------------------- an out_dir belongs to one run
+
+def test_second_run_is_refused_and_overwrite_discards(capsys, tmp_path, data_dir):
+    run_train(tmp_path, data_dir, *RUN)
+    before = files_of(tmp_path)
+    assert {"checkpoints/iter_0000004/meta.json", "checkpoints/iter_0000008/meta.json", "metrics.jsonl",
+            "run.json"} <= before.keys()
+    expect_error(capsys, [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *RUN],
+                 "holds an earlier run (2 checkpoint folders and metrics.jsonl)", "--init_from=resume",
+                 "another --out_dir", "--overwrite=true")
+    assert files_of(tmp_path) == before  # nothing written, nothing deleted
+    records = run_train(tmp_path, data_dir, *RUN[1:], "--max_iters=2", "--overwrite=true")
+    assert [r["iter"] for r in records if "loss" in r] == [0, 1]
+    assert [e["event"] for e in metrics(tmp_path, events=True) if "event" in e] == ["start", "end"]
+    assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == ["iter_0000002"]
+
+
+def test_live_run_holds_the_out_dir(capsys, tmp_path, data_dir):
+    cmd = [sys.executable, str(ROOT / "train.py"), f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY,
+           "--max_iters=100000", "--eval_interval=100000"]
+    live = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for_rows(tmp_path, 1, live)
+        for extra in ([], ["--init_from=auto"], ["--overwrite=true"]):
+            expect_error(capsys, [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *extra],
+                         f"out_dir {tmp_path} is in use by a live run (pid {live.pid}")
+    finally:
+        live.kill()   # a crash: the kernel frees the lock
+        live.wait(timeout=60)
+    run_train(tmp_path, data_dir, "--max_iters=1", "--overwrite=true")
+
+
+def test_restarted_job_may_start_over_in_its_own_out_dir(tmp_path, data_dir):
+    """torchrun --max-restarts after a rank died before the first checkpoint: the same job goes on."""
+    res = torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=4",
+                   "--eval_interval=100", "--gradient_accumulation_steps=2", "--batch_size=2", "--init_from=auto",
+                   "--inject_fault=kill:2", launcher=["--max-restarts=1"], timeout=400)
+    assert "holds an earlier run" not in res.stderr
+    assert [r["iter"] for r in metrics(tmp_path) if "loss" in r] == [0, 1, 0, 1, 2, 3]
+
+
+def test_pruning_removes_only_this_runs_older_checkpoints(tmp_path):
+    def fake(it, run_id):
+        d = tmp_path / "checkpoints" / f"iter_{it:07d}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"iter_num": it, "run_id": run_id, "files": {}}))
+    for it in (2, 4, 6, 10):
+        fake(it, "mine")
+    for it in (1, 8):
+        fake(it, "theirs")
+    train_state.prune(tmp_path, "mine", 6, keep=2)
+    assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == \
+        ["iter_0000001", "iter_0000004", "iter_0000006", "iter_0000008", "iter_0000010"]
+
+
+# ---------------------------------------------------------------------------- checkpoints verified by content
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_dir):
+    """Losses of an uninterrupted 8-iteration run, in a process of its own (as the resumed ones)."""
+    out = tmp_path_factory.mktemp("straight")
+    torchrun(1, f"--out_dir={out}", f"--data_dir={data_dir}", *TINY, *RUN)
+    return losses(metrics(out))
+
+
+def test_flipped_byte_is_detected_and_the_previous_checkpoint_used(tmp_path, data_dir, straight):
+    common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *RUN]
+    torchrun(1, *common)
+    newest = Path(train_state.checkpoint_dirs(tmp_path)[-1])
+    shard = next(newest.glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01   # one bit, same size
+    shard.write_bytes(bytes(raw))
+    res = torchrun(1, *common, "--init_from=resume")
+    assert f"skipping checkpoint {newest}: {shard.name} fails its checksum" in res.stdout
+    assert "resuming from" in res.stdout and "iter_0000004" in res.stdout
+    records = metrics(tmp_path, events=True)
+    resume = next(i for i, r in enumerate(records) if r.get("event") == "resume")
+    assert losses(records[resume:]) == straight[4:]   # bit for bit
+    assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == ["iter_0000004", "iter_0000008"]
+    meta = json.loads((newest / "meta.json").read_text())
+    assert train_state.verify(str(newest), meta) is None   # rewritten whole by the resumed run
+
+
+# ---------------------------------------------------------------------------- interrupts
+
+def wait_for_rows(out_dir, n, proc, timeout=120):
+    """Wait until metrics.jsonl holds n iteration rows."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        if (Path(out_dir) / "metrics.jsonl").exists() and len(losses(metrics(out_dir))) >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("no metrics rows")
+
+
+@pytest.mark.parametrize("nproc, sig", [(1, signal.SIGINT), (2, signal.SIGTERM)])
+def test_interrupt_saves_and_resumes_exactly(tmp_path, data_dir, nproc, sig):
+    common = [f"--data_dir={data_dir}", *TINY, "--eval_interval=100000", "--lr_decay_iters=100000",
+              "--gradient_accumulation_steps=2", "--batch_size=2", *(["--tp=2"] if nproc > 1 else [])]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    proc = subprocess.Popen([*launcher, str(ROOT / "train.py"), f"--out_dir={tmp_path / 'run'}", *common,
+                             "--max_iters=100000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for_rows(tmp_path / "run", 3, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    line = next(x for x in out.splitlines() if x.startswith("interrupted at iteration"))
+    k = int(line.split()[3].rstrip(";"))
+    ckpt = tmp_path / "run" / "checkpoints" / f"iter_{k:07d}"
+    assert line == f"interrupted at iteration {k}; saved {ckpt}; continue with --init_from=resume"
+    if nproc == 1:
+        assert proc.returncode == 128 + sig and "Traceback" not in err
+    torchrun(nproc, f"--out_dir={tmp_path / 'run'}", *common, f"--max_iters={k + 3}", "--init_from=resume")
+    torchrun(nproc, f"--out_dir={tmp_path / 'straight'}", *common, f"--max_iters={k + 3}")
+    records = metrics(tmp_path / "run", events=True)
+    assert [r.get("event", r.get("iter")) for r in records if "loss" in r or "event" in r] == \
+        ["start", *range(k), "interrupted", "resume", k, k + 1, k + 2, "end"]   # no step repeated
+    assert losses(records) == losses(metrics(tmp_path / "straight"))   # bit for bit
+
+
+def test_second_signal_stops_at_once():
+    code = ("import os, signal, time, rundir\n"
+            "i = rundir.Interrupt(print); i.armed = True\n"
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+            "assert i.signum == signal.SIGINT\n"
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('not stopped')\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130 and "SIGINT again: stopped at once" in res.stdout and "not stopped" not in res.stdout
+
+
+# ---------------------------------------------------------------------------- every value checked before work
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--learning_rate=-1"], "learning_rate=-1.0 must be positive"),
+    (["--learning_rate=nan"], "learning_rate=nan must be a finite number"),
+    (["--min_lr=0.1"], "min_lr=0.1 is above learning_rate=0.003"),
+    (["--beta2=1.5"], "beta2=1.5 must be at least 0 and below 1"),
+    (["--beta1=-0.1"], "beta1=-0.1 must be at least 0 and below 1"),
+    (["--weight_decay=inf"], "weight_decay=inf must be a finite number"),
+    (["--grad_clip=-1"], "grad_clip=-1.0 must not be negative"),
+    (["--seed=-1"], "seed=-1 must not be negative"),
+    (["--max_iters=-3"], "max_iters=-3 must not be negative"),
+    (["--warmup_iters=-1"], "warmup_iters=-1 must not be negative"),
+    (["--lr_decay_iters=-1"], "lr_decay_iters=-1 must not be negative"),
+    (["--lr_decay_iters=5", "--warmup_iters=10"], "lr_decay_iters=5 ends before warmup_iters=10"),
+    (["--timeout_s=0"], "timeout_s=0 must be at least 1"),
+    (["--sample_tokens=-1"], "sample_tokens=-1 must not be negative"),
+    (["--device=foo"], "device=foo is not auto, cpu, cuda or cuda:N"),
+    (["--norm_eps=0"], "norm_eps=0.0 must be a positive finite number"),
+    (["--rope_base=nan"], "rope_base=nan must be a positive finite number"),
+    (["--overwrite=true", "--init_from=resume"], "overwrite=true discards the earlier run"),
+    (["--inject_fault=boom:3"], "inject_fault=boom:3 is not"),
+])
+def test_bad_values(capsys, tmp_path, argv, fragment):
+    expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", *argv], fragment)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_places_and_devices(capsys, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={a_file}"], f"data_dir={a_file} is a file")
+    expect_error(capsys, [f"--out_dir={a_file}"], f"out_dir={a_file} is a file")
+    if not torch.cuda.is_available():
+        expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", "--device=cuda"], "this machine has no CUDA device")
+    cfg, tc = options.parse_args(["--n_embd=96", "--n_head=6", "--n_kv_head=3", "--mlp_width=264", "--tp=3"])
+    cfg.vocab_size = options.vocab_size("bytes")
+    with pytest.raises(ValueError, match="does not divide the vocabulary of 320 .the tokenizer's, padded"):
+        options.plan_parallel(cfg, tc, 3)
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("ckpt")
+    torchrun(1, f"--out_dir={out}", f"--data_dir={data_dir}", *TINY, "--max_iters=2", "--eval_interval=2")
+    return out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ([], "the following arguments are required: command"),
+    (["export", "/no/such/ckpt", "x.pt"], "/no/such/ckpt is not a checkpoint folder"),
+    (["export", "{out}", "x.pt"], "{out} is an out_dir, not a checkpoint: pass one of its checkpoints, e.g. "
+                                  "{out}/checkpoints/iter_0000002"),
+    (["export", "{ckpt}", "/no/such/dir/x.pt"], "the folder /no/such/dir of /no/such/dir/x.pt does not exist"),
+    (["export", "{ckpt}", "{ckpt}/meta.json"], "meta.json exists: remove it or choose another name"),
+    (["sample", "/no/such.pt"], "/no/such.pt is not a file"),
+    (["sample", "{ckpt}/meta.json"], "is not an exported model"),
+    (["sample", "{ckpt}/meta.json", "abc"], "expects a whole number, got 'abc'"),
+    (["sample", "{ckpt}/meta.json", "-5"], "must be at least 1, got -5"),
+])
+def test_export_and_sample_arguments(one_checkpoint, args, fragment):
+    fill = dict(out=one_checkpoint, ckpt=one_checkpoint / "checkpoints" / "iter_0000002")
+    res = subprocess.run([sys.executable, str(ROOT / "train_state.py"), *(a.format(**fill) for a in args)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert fragment.format(**fill) in err, err
+
+
+# ---------------------------------------------------------------------------- the log says where the run stands
+
+def test_log_and_metrics_say_where_the_run_stands(capsys, tmp_path, data_dir):
+    run_train(tmp_path, data_dir, *RUN[1:], "--max_iters=4")
+    out = capsys.readouterr().out
+    assert "iter 0/4: loss" in out and ", mem " in out and "elapsed" in out and ", eta " in out
+    ckpt = tmp_path / "checkpoints" / "iter_0000004"
+    assert f"saved checkpoint {ckpt} (" in out
+    assert "done: 4 iterations (0..4), 256 tokens in" in out and f"last checkpoint {ckpt}" in out
+    assert "best val loss" in out
+    records = metrics(tmp_path, events=True)
+    assert records[0]["event"] == "start" and records[-1]["event"] == "end"
+    assert all(r["mem_gb"] > 0.05 for r in records if "loss" in r)
+    written = (ckpt / "meta.json").stat().st_mtime_ns
+    run_train(tmp_path, data_dir, *RUN, "--init_from=resume")   # to 8
+    out = capsys.readouterr().out
+    assert f"saved checkpoint {ckpt}" not in out and (ckpt / "meta.json").stat().st_mtime_ns == written
+    resume = [r for r in metrics(tmp_path, events=True) if r.get("event") == "resume"]
+    assert resume == [{**resume[0], "iter": 4, "checkpoint": str(ckpt)}]
