@@ -76,7 +76,7 @@ class OneDeviceChunks:
     def mlp_chunk(self, z):
         m = self.b.mlp
         zg, zu = self.act(z).split(self.cfg.mlp_rank, -1)
-        return m.down.A(llama.gated_product(self.cfg.arch, m.gate.B(zg), m.up.B(zu)))  # (b, s, r)
+        return m.down.A(llama.gated_product(self.cfg.mlp_gate, m.gate.B(zg), m.up.B(zu)))  # (b, s, r)
 
     def down_chunk(self, u, x):
         return x + self.b.mlp.down.B(self.act(u))                         # (b, s, d)

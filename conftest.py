@@ -103,6 +103,6 @@ def expect_error(capsys, argv, *fragments):
 TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vanilla"), ("cola", "vanilla")]
 
 
-def small_cfg(arch, n_layer=2):
+def small_cfg(arch, n_layer=2, **extra):
     return Config(arch=arch, n_layer=n_layer, n_head=8, n_kv_head=4, n_embd=64, block_size=16,
-                  vocab_size=128, attn_rank=16, mlp_rank=24)
+                  vocab_size=128, attn_rank=16, mlp_rank=24, **extra)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import kernels
 from checkpointing import forward_chunks, run_layers
 from model import Llama, causal_attention, gated_product, latent_act
-from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last
+from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce
 
 LAYOUTS = ("btp", "vanilla", "megatron")
 
@@ -161,7 +161,7 @@ class BTPBlock(Sharded):
     def mlp_chunk(self, HS):
         z = self.latent(HS)                                                      # (b, s, 2r)
         gate, up = self.up(z, [self.B_gate, self.B_up])
-        h = gated_product(self.cfg.arch, gate, up)                               # (b, s, f/t)
+        h = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
         return h @ self.A_down.t()                                               # (b, s, r) partial
 
     def down_chunk(self, u, x):
@@ -214,7 +214,7 @@ class VanillaBlock(Sharded):
 
     def mlp_chunk(self, z):
         zg, zu = z.split(self.cfg.mlp_rank // self.tp.size, -1)
-        a = gated_product(self.cfg.arch, self.up(zg, "mlp_gate"), self.up(zu, "mlp_up"))  # (b, s, f)
+        a = gated_product(self.cfg.mlp_gate, self.up(zg, "mlp_gate"), self.up(zu, "mlp_up"))  # (b, s, f)
         return self.down(a, "mlp_down")                                           # (b, s, r/t)
 
     def down_chunk(self, u, x):
@@ -245,7 +245,7 @@ class MegatronBlock(Sharded):
                              cfg.n_head // t, cfg.n_kv_head // t, cos, sin)           # (b, s, d/t)
         x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
         h = Copy.apply(kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps), g)
-        a = gated_product(cfg.arch, h @ self.W_gate.t(), h @ self.W_up.t())           # (b, s, f/t)
+        a = gated_product(cfg.mlp_gate, h @ self.W_gate.t(), h @ self.W_up.t())       # (b, s, f/t)
         return x + Reduce.apply(a @ self.W_down.t(), g)                               # (b, s, d)
 
 
@@ -259,7 +259,9 @@ class TPLlama(Sharded):
     As pipeline stage `stage` of `stages` it holds n_layer/stages layers, the embedding on the first
     stage and the final norm and LM head on the last; between stages the residual stream travels as
     it is held here, (b, s, d/t) under btp, and the last stage returns the logits for the schedule's
-    loss (parallel.Pipeline)."""
+    loss (parallel.Pipeline). With tied embeddings every TP rank of the first and the last stage holds
+    the matrix whole and uses its slices (`embedding`, `head`); parallel.reduce_tied_grad sums the
+    gradients of the uses after backward."""
 
     def __init__(self, model, tp, layout, stage=0, stages=1, **btp_options):
         check_divisible(model.cfg, tp.size, layout)
@@ -268,33 +270,57 @@ class TPLlama(Sharded):
         self.cfg, self.layout, self.recompute = model.cfg, layout, model.recompute
         self.first, self.last, self.pipelined = stage == 0, stage == stages - 1, stages > 1
         per_stage = model.cfg.n_layer // stages
-        if self.first:
+        self.tied = model.cfg.tie_embeddings
+        if self.tied and (self.first or self.last):  # whole on every TP rank (and on the first and last
+            self.shard("tok_emb", ["tok_emb.weight"], None)  # stage): the two uses take other slices, (V, d)
+        elif self.first:
             self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
         self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.", **btp_options)
                                     for i in range(stage * per_stage, (stage + 1) * per_stage))
         if self.last:
             self.shard("norm", ["norm.weight"], None)
-            self.shard("lm_head", ["lm_head.weight"], 0)                           # (V/t, d)
+            if not self.tied:
+                self.shard("lm_head", ["lm_head.weight"], 0)                       # (V/t, d)
         self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
         self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
         for m in self.modules():
             m._full = None  # the full weights are not kept
 
+    def embedding(self):
+        """The embedding as this rank uses it: (V, d/t) under btp, else (V, d)."""
+        if not self.tied:
+            return self.tok_emb
+        if self.layout == "btp":
+            return self.tok_emb.chunk(self.tp.size, 1)[self.tp.tp_rank]
+        # replicated use: every TP rank gets the same gradient, so one rank's counts (reduce_tied_grad)
+        return self.tok_emb if self.tp.tp_rank == 0 else self.tok_emb.detach()
+
+    def head(self):
+        """The LM head as this rank uses it, vocab-parallel: (V/t, d)."""
+        return self.tok_emb.chunk(self.tp.size, 0)[self.tp.tp_rank] if self.tied else self.lm_head
+
+    def reduce_tied_grad(self):
+        """With tied embeddings: each TP rank holds the gradient of the slices it used (the embedding's
+        d/t columns under btp, the head's V/t rows): their sum over TP is the single-device gradient."""
+        if self.tied and getattr(self, "tok_emb", None) is not None and self.tok_emb.grad is not None:
+            self.tok_emb.grad = all_reduce(self.tok_emb.grad, self.tp.group, "grad")
+
     def forward(self, x, targets=None):
         g = self.tp.group
         if self.first:
-            x = F.embedding(x, self.tok_emb)                        # (b, s, d/t) btp, else (b, s, d)
+            x = F.embedding(x, self.embedding())                    # (b, s, d/t) btp, else (b, s, d)
         x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         if not self.last:
             return x                                                # to the next pipeline stage
         if self.layout == "btp":
             x = Gather.apply(x, g)                                  # (b, s, d)
         x = Copy.apply(kernels.rms_norm(x, self.norm, self.cfg.norm_eps), g)
+        head = self.head()                                          # (V/t, d)
         if self.pipelined:
-            return x @ self.lm_head.t()                             # (b, s, V/t) to the schedule's loss
+            return x @ head.t()                                     # (b, s, V/t) to the schedule's loss
         if targets is None:
-            return all_gather_last(x[:, [-1], :] @ self.lm_head.t(), g, "fwd"), None  # (b, 1, V)
-        logits = x @ self.lm_head.t()                               # (b, s, V/t)
+            return all_gather_last(x[:, [-1], :] @ head.t(), g, "fwd"), None  # (b, 1, V)
+        logits = x @ head.t()                                       # (b, s, V/t)
         loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
         return logits, loss
 
@@ -331,8 +357,8 @@ class TPLlama(Sharded):
         sharded = replicated = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for name, spec in self.named_specs():
             g = params[name].grad
-            if g is None:
-                continue
+            if g is None or (name == "tok_emb" and self.tied and not self.first):
+                continue  # (the tied embedding of the last stage is the first stage's: counted there)
             sq = g.double().pow(2).sum()
             if spec.dim is None:
                 replicated = replicated + sq

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ARCHS = ("full", "svd", "cola")
+GATES = ("silu", "none")
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Config:
     vocab_size: int = 320    # set from the tokeniser by train.py (padded to a multiple of 64)
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    mlp_gate: str = "auto"   # auto (silu for full and svd, none for cola) | silu: down(silu(gate)·up) | none: down(gate·up)
+    tie_embeddings: bool = False  # one matrix for the token embedding and the LM head
 
     def __post_init__(self):
         """Fill the 0 = automatic fields, then reject shapes that cannot be built (ValueError)."""
@@ -44,6 +47,10 @@ class Config:
         self.mlp_rank = self.mlp_rank or max(1, self.n_embd // 4)
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.mlp_gate == "auto":
+            self.mlp_gate = "none" if self.arch == "cola" else "silu"
+        if self.mlp_gate not in GATES:
+            raise ValueError(f"mlp_gate={self.mlp_gate} is not one of auto, {', '.join(GATES)}")
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_width", "block_size",
                      "vocab_size", "attn_rank", "mlp_rank"):
             if getattr(self, name) < 1:
@@ -144,9 +151,10 @@ def causal_attention(q, k, v, n_head, n_kv_head, cos, sin):
     return y.transpose(1, 2).reshape(b, s, n_head * hd)                    # (b, s, h·hd)
 
 
-def gated_product(arch, gate, up):
-    """SwiGLU's silu(gate)·up for full and svd; CoLA's bottlenecks already carry σ, so gate·up."""
-    return (gate if arch == "cola" else F.silu(gate)) * up
+def gated_product(mlp_gate, gate, up):
+    """SwiGLU's silu(gate)·up (mlp_gate=silu), or gate·up (none: CoLA's large configs and BOOST's,
+    whose bottlenecks already carry σ)."""
+    return (F.silu(gate) if mlp_gate == "silu" else gate) * up
 
 
 class Attention(nn.Module):
@@ -169,13 +177,13 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, f, r = cfg.n_embd, cfg.mlp_width, cfg.mlp_rank
-        self.arch = cfg.arch
+        self.mlp_gate = cfg.mlp_gate
         self.gate = projection(cfg, d, f, r)
         self.up = projection(cfg, d, f, r)
         self.down = projection(cfg, f, d, r)
 
     def forward(self, x):
-        h = gated_product(self.arch, self.gate(x), self.up(x))  # (b, s, d_ff)
+        h = gated_product(self.mlp_gate, self.gate(x), self.up(x))  # (b, s, d_ff)
         return self.down(h)                                     # (b, s, d)
 
 
@@ -193,17 +201,23 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token embedding, n_layer blocks, final RMSNorm, untied LM head."""
+    """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding or not).
 
-    def __init__(self, cfg, recompute="none"):
+    `layer_runner(layers, x, cos, sin, recompute)` runs the layers when recompute is not "none"
+    (checkpointing.run_layers: the model is handed it, so this file imports nothing of the project)."""
+
+    def __init__(self, cfg, recompute="none", layer_runner=None):
         super().__init__()
         self.cfg, self.recompute = cfg, recompute  # activation checkpointing: none | layer | lowrank
+        self.layer_runner = layer_runner
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         nn.init.normal_(self.tok_emb.weight, std=0.02)
         nn.init.normal_(self.lm_head.weight, std=0.02)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight   # one parameter, two uses: their gradients add
         cos, sin = rope_table(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -217,8 +231,9 @@ class Llama(nn.Module):
             for layer in self.layers:
                 x = layer(x, self.rope_cos, self.rope_sin)   # (b, s, d)
         else:
-            from checkpointing import run_layers  # here, not on top: checkpointing.py imports model.py
-            x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
+            if self.layer_runner is None:
+                raise ValueError(f"recompute={self.recompute} needs a layer_runner (checkpointing.run_layers)")
+            x = self.layer_runner(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None     # (b, 1, V)

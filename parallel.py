@@ -48,7 +48,7 @@ class Ledger:
 LEDGER = Ledger()
 
 
-def _all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
+def all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
     if dist.get_world_size(group) == 1:
         return x  # a TP "group" of one (pipelining without TP): nothing to send
     x = x.contiguous()
@@ -82,7 +82,7 @@ class Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group, "bwd"), None
+        return all_reduce(grad.clone(), ctx.group, "bwd"), None
 
 
 class Reduce(torch.autograd.Function):
@@ -93,7 +93,7 @@ class Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group, "fwd")
+        return all_reduce(x.clone(), group, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
@@ -126,14 +126,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         v_local = logits.shape[-1]
         start = dist.get_rank(group) * v_local
-        m = _all_reduce(logits.max(dim=-1).values, group, "fwd", op=dist.ReduceOp.MAX)  # (N,)
+        m = all_reduce(logits.max(dim=-1).values, group, "fwd", op=dist.ReduceOp.MAX)  # (N,)
         shifted = logits - m.unsqueeze(-1)                                             # (N, V/t)
         outside = (target < start) | (target >= start + v_local)
         local_t = (target - start).masked_fill(outside, 0)
         rows = torch.arange(len(target), device=logits.device)
-        picked = _all_reduce(shifted[rows, local_t].masked_fill(outside, 0.0), group, "fwd")
+        picked = all_reduce(shifted[rows, local_t].masked_fill(outside, 0.0), group, "fwd")
         exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group, "fwd")                            # (N,)
+        sum_exp = all_reduce(exp.sum(dim=-1), group, "fwd")                            # (N,)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_t)
         return sum_exp.log() - picked
 
@@ -208,7 +208,26 @@ def all_reduce_grads(model, dp_group):
     size = dist.get_world_size(dp_group)
     for p in model.parameters():
         if p.grad is not None:
-            p.grad = _all_reduce(p.grad, dp_group, "grad").div_(size)
+            p.grad = all_reduce(p.grad, dp_group, "grad").div_(size)
+
+
+def reduce_tied_grad(model, pp_group=None):
+    """Tied embeddings: the gradient of the one matrix is the sum of its uses' parts, over the TP
+    ranks (layouts.TPLlama.reduce_tied_grad), then over the first and the last pipeline stage, which
+    both hold it (middle stages add zeros). Afterwards every holder has the single-device gradient,
+    so the copies stay equal step after step. A no-op for untied models and on one device."""
+    model = getattr(model, "module", model)
+    if not getattr(model, "tied", False):
+        return
+    model.reduce_tied_grad()
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return
+    held = getattr(model, "tok_emb", None)
+    cfg = model.cfg
+    buf = held.grad if held is not None else torch.zeros(cfg.vocab_size, cfg.n_embd, device=model.rope_cos.device)
+    buf = all_reduce(buf, pp_group, "grad")   # (V, d)
+    if held is not None:
+        held.grad = buf
 
 
 class Pipeline:

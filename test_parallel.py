@@ -29,10 +29,12 @@ def _equivalence_worker(rank, world, meshes):
         mesh = parallel.init_mesh(dp, tp, "cpu", 120)
         env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
         dp_rank = mesh.get_local_rank("dp")
-        ablations = [("cola", "btp", {"online_norm": False}), ("svd", "btp", {"grouped": False})]
-        for arch, layout, options in [(a, lay, {}) for a, lay in TP_CASES] + ablations:
-            where = f"{arch}/{layout} {options} dp={dp} tp={tp}"
-            cfg = small_cfg(arch)
+        ablations = [("cola", "btp", {"online_norm": False}, {}), ("svd", "btp", {"grouped": False}, {})]
+        variants = [(a, lay, {}, {"tie_embeddings": True, "mlp_gate": "silu" if a == "cola" else "none"})
+                    for a, lay in TP_CASES]   # the reference configs' options: tied head, the other gate
+        for arch, layout, options, extra in [(a, lay, {}, {}) for a, lay in TP_CASES] + ablations + variants:
+            where = f"{arch}/{layout} {options} {extra} dp={dp} tp={tp}"
+            cfg = small_cfg(arch, **extra)
             torch.manual_seed(0)
             ref = Llama(cfg)
             idx = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -44,6 +46,7 @@ def _equivalence_worker(rank, world, meshes):
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], tgt[share])
             tp_loss.backward()
+            tp_model.reduce_tied_grad()
             v = cfg.vocab_size // tp
             torch.testing.assert_close(tp_logits, logits[share][..., env.tp_rank * v:(env.tp_rank + 1) * v],
                                        msg=lambda m: f"{where} logits: {m}")
@@ -234,7 +237,7 @@ def test_recompute_one_device(arch, size):
                                  "arch": arch, "n_layer": n})
     def make_model(n_layer):
         torch.manual_seed(0)
-        return Llama(cfg_of(n_layer))
+        return Llama(cfg_of(n_layer), layer_runner=checkpointing.run_layers)
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     check_recompute(make_model, "one", cfg_of(2), 1, idx)
 
@@ -245,7 +248,7 @@ def test_recompute_flops_lowrank_below_layer():
     flops = {}
     for mode in checkpointing.RECOMPUTE:
         torch.manual_seed(0)
-        model = Llama(small_cfg("cola", 4), recompute=mode)
+        model = Llama(small_cfg("cola", 4), recompute=mode, layer_runner=checkpointing.run_layers)
         with FlopCounterMode(display=False) as counter:
             model(idx, idx)[1].backward()
         flops[mode] = counter.get_total_flops()
@@ -320,10 +323,11 @@ def _pipeline_worker(rank, world, meshes):
         mesh = parallel.init_mesh(dp, tp, "cpu", 120, pp)
         env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
         dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-        for arch, layout, schedule in (("cola", "btp", "1f1b"), ("full", "megatron", "gpipe")):
-            where = f"{arch}/{layout} {schedule} dp={dp} pp={pp} tp={tp}"
+        for arch, layout, schedule, tied in (("cola", "btp", "1f1b", False), ("full", "megatron", "gpipe", False),
+                                             ("cola", "btp", "1f1b", True)):
+            where = f"{arch}/{layout} {schedule} tied={tied} dp={dp} pp={pp} tp={tp}"
             torch.manual_seed(0)
-            ref = Llama(small_cfg(arch, n_layer=4))
+            ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied))
             idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
             tgt = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(2))
             loss = ref(idx, tgt)[1]
@@ -334,6 +338,7 @@ def _pipeline_worker(rank, world, meshes):
             parallel.LEDGER.reset()
             pipe_loss = torch.tensor(pipe.run(idx[share], tgt[share]))
             parallel.all_reduce_grads(stage, mesh.get_group("dp"))
+            parallel.reduce_tied_grad(stage, mesh.get_group("pp"))
             dist.all_reduce(pipe_loss, group=mesh.get_group("dp"))
             torch.testing.assert_close(pipe_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
             grads = stage.full_tensors(grads=True)
@@ -342,7 +347,8 @@ def _pipeline_worker(rank, world, meshes):
                                            msg=lambda m: f"{where} grad of {name}: {m}")
             held = [None] * pp
             dist.all_gather_object(held, sorted(grads), group=mesh.get_group("pp"))
-            assert sorted(sum(held, [])) == sorted(n for n, _ in ref.named_parameters()), where
+            shared = ["tok_emb.weight"] if tied else []   # on the first and the last stage
+            assert sorted(sum(held, [])) == sorted([n for n, _ in ref.named_parameters()] + shared), where
             d_local = 64 // tp if layout == "btp" else 64   # what crosses the stage boundary per token
             sent = {phase: parallel.LEDGER.total("pp", phase) for phase in ("fwd", "bwd")}
             assert sent["fwd"] == (0 if pp_rank == pp - 1 else 8 // dp * 16 * d_local), (where, sent)

@@ -141,7 +141,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
 
     # -------------------------------------------------------------- model and optimizer
     torch.manual_seed(tc.seed)
-    raw_model = Llama(cfg, recompute=tc.recompute)
+    raw_model = Llama(cfg, recompute=tc.recompute, layer_runner=checkpointing.run_layers)
     n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
     if tc.tp > 1 or tc.pp > 1:  # cut from the full model built above
         raw_model = layouts.TPLlama(raw_model, tp, layout, stage=pp_rank, stages=tc.pp)
@@ -261,6 +261,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
                         loss = loss * float("nan")
                 loss.backward()
                 loss_sum += loss.item()
+        parallel.reduce_tied_grad(raw_model, mesh.get_group("pp") if pipe else None)
         grad_norm = parallel.clip_grad_norm(raw_model, tc.grad_clip if tc.grad_clip > 0 else float("inf"),
                                             mesh.get_group("pp") if pipe else None)
         if not torch.isfinite(grad_norm):  # the same on every rank: gradients are all-reduced
