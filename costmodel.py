@@ -19,7 +19,9 @@ The elements of every TP collective are those of layouts.py (`per_layer_volume`,
 ledger); FLOPs are those of model.py (`flops_per_token`, tested equal). The calibration constants are the five in CALIBRATION, the
 same for every row; the hardware numbers are public specifications, not fitted.
 """
+import tomllib
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 # Chosen by a grid search (ETA_MAX 0.7-0.9, N_HALF 32-256, ETA_ATTN 0.3-0.6, ALPHA 10-50 µs,
 # MEM_PASSES 0-32) minimising the mean |log(model / paper)| over the paper's 15 times at once.
@@ -58,10 +60,15 @@ class Shape:
         return self.rank or self.n_embd // 4
 
 
-# LLaMA-2 shapes (7B, 13B), CoLA's 1B, OpenLLaMA's 3B, LLaMA's 30B; r = d/4.
-SHAPES = {"1B": Shape(24, 2048, 5461, 32, 32), "3B": Shape(26, 3200, 8640, 32, 32),
-          "7B": Shape(32, 4096, 11008, 32, 32), "13B": Shape(40, 5120, 13824, 40, 40),
-          "30B": Shape(60, 6656, 17920, 52, 52)}
+def preset(name):
+    """The Shape of configs/<name>.toml (vocabulary 32000 as in the paper, r = d/4)."""
+    with open(Path(__file__).resolve().parent / "configs" / f"{name}.toml", "rb") as f:
+        c = tomllib.load(f)
+    return Shape(c["n_layer"], c["n_embd"], c["mlp_width"], c["n_head"], c.get("n_kv_head", c["n_head"]))
+
+
+# The paper's throughput models: LLaMA-2 shapes (7B, 13B), CoLA's 1B, OpenLLaMA's 3B, LLaMA's 30B.
+SHAPES = {size: preset(f"paper_{size.lower()}") for size in ("1B", "3B", "7B", "13B", "30B")}
 
 # The paper's table: seconds per iteration (full, vanilla, BOOST), A100, s=4096, micro-batch 4, one
 # micro-batch per iteration. The 30B row's TP and PP are not given: TP4 x PP2 is our assumption (of

@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import re
+import tomllib
 from dataclasses import dataclass, fields
 
 import torch
@@ -19,7 +20,7 @@ import checkpointing
 import data
 import kernels
 import layouts
-from model import ARCHS, Config
+from model import ARCHS, GATES, Config
 
 
 @dataclass
@@ -70,23 +71,24 @@ class TrainConfig:
     timeout_s: int = 600           # process-group timeout
 
 
-CHOICES = {"arch": ARCHS, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
+CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
            "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
 FAULTS = ("kill", "nan", "kill_in_save")
 
 
-def _convert(key, typ, text):
+def _convert(where, typ, text):
+    """The value of an option (`where`: --key or file: key) from its text, by its default's type."""
     if typ is bool:
         if text.lower() in ("1", "true", "yes"):
             return True
         if text.lower() in ("0", "false", "no"):
             return False
-        raise ValueError(f"--{key} expects true or false, got {text!r}")
+        raise ValueError(f"{where} expects true or false, got {text!r}")
     try:
         return typ(text)
     except ValueError:
-        raise ValueError(f"--{key} expects {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+        raise ValueError(f"{where} expects {'an integer' if typ is int else 'a number'}, got {text!r}") from None
 
 
 def options():
@@ -96,7 +98,9 @@ def options():
 
 def usage():
     """Every option with its default and the comment it has in its dataclass."""
-    lines = ["usage: [torchrun ...] train.py [--key=value ...]", ""]
+    lines = ["usage: [torchrun ...] train.py [config.toml] [--key=value ...]", "",
+             "A config file (configs/*.toml: the papers' models) sets options as `key = value` lines, with",
+             "the names below; options on the command line override it.", ""]
     for cls, title in ((Config, "model"), (TrainConfig, "training")):
         notes = dict(re.findall(r"^\s+(\w+): \w+ = [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
         lines.append(f"{title} options (default):")
@@ -105,21 +109,54 @@ def usage():
     return "\n".join(lines)
 
 
+def _unknown(key, known, where):
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else " (-h lists them)"
+    return ValueError(f"{where}unknown option {'--' if not where else ''}{key}{hint}")
+
+
+def read_config_file(path, known):
+    """{option: text} from a TOML file of `option = value` lines (configs/), checked like the command line."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML ({e})") from None
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            raise ValueError(f"{path}: [{key}] is a section; write `option = value` lines, without sections")
+        if key not in known:
+            raise _unknown(key, known, f"{path}: ")
+        if isinstance(value, list):
+            raise ValueError(f"{path}: {key} must be a single value, not a list")
+        out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
+
+
 def parse_args(argv):
-    """--key=value arguments -> (model Config, TrainConfig); raises ValueError with one clear line."""
-    known, given = options(), {Config: {}, TrainConfig: {}}
+    """[config.toml] --key=value arguments -> (model Config, TrainConfig): the file's values first,
+    then the command line's; raises ValueError with one clear line."""
+    known, texts, given = options(), {}, {Config: {}, TrainConfig: {}}
+    if argv and not argv[0].startswith("-"):
+        if not argv[0].endswith(".toml"):
+            raise ValueError(f"expected a config file (.toml) or --key=value, got {argv[0]!r} (-h lists the options)")
+        texts = {k: (v, f"{argv[0]}: {k}") for k, v in read_config_file(argv[0], known).items()}
+        argv = argv[1:]
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ValueError(f"expected --key=value, got {arg!r} (-h lists the options)")
         key, text = arg[2:].split("=", 1)
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else " (-h lists them)"
-            raise ValueError(f"unknown option --{key}{hint}")
+            raise _unknown(key, known, "")
+        texts[key] = (text, f"--{key}")
+    for key, (text, where) in texts.items():
         cls, f = known[key]
-        value = _convert(key, type(f.default), text)
+        value = _convert(where, type(f.default), text)
         if key in CHOICES and value not in CHOICES[key]:
-            raise ValueError(f"--{key}={value} is not one of {', '.join(CHOICES[key])}")
+            raise ValueError(f"{where}={value} is not one of {', '.join(CHOICES[key])}")
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
     check_values(tc)
