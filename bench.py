@@ -6,6 +6,7 @@
     python bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
     python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
     python bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
+    python bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
 
 Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
 bench-results/, which git ignores). Each comparison is measured in one run, the configurations
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -102,7 +104,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     for arch, layout in (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")):
         totals = []
         for n_layer in (1, 2):
-            cfg = Config(**{**cfg_kwargs, "arch": arch, "n_layer": n_layer, "block_size": s})
+            cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer, "block_size": s})
             model = layouts.TPLlama(Llama(cfg), env, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
             parallel.LEDGER.reset()
@@ -146,7 +148,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import torch.distributed as dist
     import layouts
     import parallel
-    from checkpointing import SavedBytes
+    from checkpointing import SavedBytes, run_layers
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
     if world > 1:
@@ -157,7 +159,8 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     for name in names:
         arch, layout, recompute, options = VARIANTS[name]
         torch.manual_seed(0)
-        model = Llama(Config(**{**cfg_kwargs, "arch": arch}), recompute=recompute)
+        model = Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"}), recompute=recompute,
+                      layer_runner=run_layers)
         if layout:
             model = layouts.TPLlama(model, env, layout, **options)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -237,6 +240,35 @@ def bench_layouts(iters, extra, tps):
         table(["tp", "variant", "MB saved vs none", "extra ms/step", "MB saved per ms"], table3), out
 
 
+def bench_checkpoint(extra):
+    """The cost of a checkpoint's CRC-32s: save (which checksums), verify, and the checksums alone."""
+    import torch
+    import options
+    import train_state
+    from model import Llama
+    cfg, _ = options.parse_args(["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16", *extra])
+    cfg.vocab_size = 50304
+    model = Llama(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+        t0 = time.time()
+        path, size = train_state.save(tmp, 1, model, optimizer, None, {"config": cfg.shape(), "run_id": "bench"})
+        t_save = time.time() - t0
+        meta = json.loads(Path(path, "meta.json").read_text())
+        t0 = time.time()
+        assert train_state.verify(path, meta) is None
+        t_verify = time.time() - t0
+        t0 = time.time()
+        for name in meta["files"]:
+            train_state.crc32(Path(path, name))
+        t_crc = time.time() - t0
+    out = {"params": model.num_params(), "bytes": size, "save_s": t_save, "verify_s": t_verify, "crc32_s": t_crc}
+    rows = [[f"{model.num_params() / 1e6:.0f}M", f"{size / 1e9:.2f}", f"{t_save:.1f}", f"{t_crc:.1f}",
+             f"{size / 1e9 / t_crc:.2f}", f"{t_verify:.1f}"]]
+    return ("A training checkpoint (dense model with its AdamW moments, one process)\n\n" +
+            table(["parameters", "GB", "save s (with CRC-32s)", "CRC-32s alone s", "CRC-32 GB/s", "verify s"], rows)), out
+
+
 def bench_traffic(extra, tp):
     import torch.multiprocessing as mp
     from model import Config
@@ -259,8 +291,8 @@ def main(argv):
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return
-    if not argv or argv[0] not in ("archs", "traffic", "layouts", "pp", "model", "data"):
-        sys.exit("error: name one of archs, traffic, layouts, pp, model, data (python bench.py -h)")
+    if not argv or argv[0] not in ("archs", "traffic", "layouts", "pp", "model", "data", "checkpoint"):
+        sys.exit("error: name one of archs, traffic, layouts, pp, model, data, checkpoint (python bench.py -h)")
     what, iters, tps, extra, json_dir = argv[0], 10, (1, 2, 4), [], ROOT / "bench-results"
     mb, keep = 1024, None
     try:
@@ -287,6 +319,8 @@ def main(argv):
         text, out = bench_pp(iters, extra)
     elif what == "traffic":
         text, out = bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
+    elif what == "checkpoint":
+        text, out = bench_checkpoint(extra)
     elif what == "data":
         import bench_data
         title, header, rows, note, out = bench_data.bench_data(mb, keep)

@@ -16,6 +16,8 @@ resumes), never another run's and never a newer one. The data position is the it
 are drawn from (seed, step).
 
     python train_state.py export out/checkpoints/iter_0002000 model.pt   # one unsharded file
+    python train_state.py export out/checkpoints/iter_0002000 hf_model --format=hf   # or cola
+    python train_state.py import hf_model out2      # a checkpoint train.py --init_from=resume continues
     python train_state.py sample model.pt 200                            # generate from it
 """
 import argparse
@@ -161,6 +163,7 @@ def read_meta(path, config, tokenizer):
     """meta.json of a checkpoint; ValueError naming the field where the model's shape differs."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    meta["config"] = llama.Config(**meta["config"]).shape()  # options added since it was written: defaults
     for key, value in config.items():
         if meta["config"].get(key) != value:
             if key == "vocab_size":
@@ -239,10 +242,11 @@ def load(path, raw_model, optimizer, mesh):
 
 # ------------------------------------------------------------------------ one file, and sampling
 
-def export(path, out_file):
-    """One unsharded file (torch.save) of a checkpoint: {'model': state dict, 'config': ...}."""
+def checkpoint_state(path, scratch):
+    """(model.Config, single-device state dict, tokenizer) of a checkpoint folder, in one process
+    (through a temporary file in the folder `scratch`)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    tmp = f"{out_file}.{os.getpid()}.tmp"
+    tmp = os.path.join(scratch, f".export-{os.getpid()}.tmp")
     try:
         dcp_to_torch_save(path, tmp)
         flat = torch.load(tmp, weights_only=False)
@@ -251,9 +255,43 @@ def export(path, out_file):
             os.remove(tmp)
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    model = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
-    torch.save({"model": model, "config": meta["config"], "tokenizer": meta.get("tokenizer", "bytes")}, tmp)
-    os.replace(tmp, out_file)
+    cfg = llama.Config(**meta["config"])
+    state = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return cfg, state, meta.get("tokenizer", "bytes")
+
+
+def export(path, out, fmt="pt"):
+    """A checkpoint as one file (pt: torch.save of {'model', 'config', 'tokenizer'}) or as a folder
+    another tool reads (hf, cola: interchange.py)."""
+    import interchange
+    cfg, state, tokenizer = checkpoint_state(path, os.path.dirname(os.path.abspath(out)))
+    if fmt != "pt":
+        return interchange.write(out, state, cfg, fmt, tokenizer)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer}, tmp)
+    os.replace(tmp, out)
+
+
+def import_folder(folder, out_dir, tokenizer=None):
+    """An hf or cola folder as the iteration-0 training checkpoint of a new run in out_dir, which
+    --init_from=resume continues under any layout (fresh AdamW moments). Returns its folder."""
+    import interchange
+    import options
+    import rundir
+    kw, state, named = interchange.read(folder)
+    tokenizer = tokenizer or named
+    if tokenizer is None:
+        raise ValueError(f"{folder} does not name its tokenizer: pass --tokenizer")
+    if options.vocab_size(tokenizer) != kw["vocab_size"]:
+        raise ValueError(f"the model's vocabulary of {kw['vocab_size']} is not the {options.vocab_size(tokenizer)} "
+                         f"of --tokenizer={tokenizer} (padded to a multiple of 64)")
+    rundir.check_scratch(out_dir, overwrite=False)
+    m = llama.Llama(llama.Config(**kw))
+    m.load_state_dict(state)
+    meta = {"config": m.cfg.shape(), "tokenizer": tokenizer, "run_id": rundir.new_run_id(), "imported_from": folder}
+    return save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
 
 
 def load_exported(out_file):
@@ -301,20 +339,36 @@ def _positive(text):
 
 def cli(argv):
     import data
-    parser = data.OneLineParser(prog="train_state.py", description="Export a training checkpoint to one file, "
-                           "or generate text from an exported file.")
+    import interchange
+    parser = data.OneLineParser(prog="train_state.py", description="Export a training checkpoint (one file, or "
+                                "a folder other tools read), import such a folder as a checkpoint, or sample.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("export", help="write one unsharded file of a checkpoint")
+    p = sub.add_parser("export", help="write a checkpoint as one file (pt) or a Hugging Face / CoLA folder")
     p.add_argument("checkpoint", type=_checkpoint_folder, help="a folder <out_dir>/checkpoints/iter_NNNNNNN")
-    p.add_argument("out_file", type=_new_file, help="the file to write (must not exist)")
+    p.add_argument("out", type=_new_file, help="the file (pt) or folder (hf, cola) to write; must not exist")
+    p.add_argument("--format", default="pt", choices=("pt",) + interchange.FORMATS,
+                   help="pt: one torch.save file; hf: Hugging Face Llama (full, or svd merged W = B·A); "
+                        "cola: the official CoLA format (cola models)")
+    p = sub.add_parser("import", help="an hf or cola folder as the training checkpoint of a new run")
+    p.add_argument("folder", help="a folder with config.json and pytorch_model.bin")
+    p.add_argument("out_dir", help="the new run's out_dir; continue with train.py --init_from=resume")
+    p.add_argument("--tokenizer", choices=data.TOKENIZERS, help="default: the one config.json names")
     p = sub.add_parser("sample", help="generate text from an exported file")
     p.add_argument("model_file", type=_exported_file)
     p.add_argument("tokens", type=_positive, nargs="?", default=200, help="tokens to generate (default 200)")
     args = parser.parse_args(argv)
-    if args.command == "export":
-        t0 = time.time()
-        export(args.checkpoint, args.out_file)
-        print(f"exported {args.checkpoint} to {args.out_file} in {time.time() - t0:.1f} s")
+    t0 = time.time()
+    if args.command in ("export", "import"):
+        try:
+            if args.command == "export":
+                export(args.checkpoint, args.out, args.format)
+                print(f"exported {args.checkpoint} to {args.out} ({args.format}) in {time.time() - t0:.1f} s")
+            else:
+                path = import_folder(args.folder, args.out_dir, args.tokenizer)
+                print(f"imported {args.folder} as {path}; continue with train.py --out_dir={args.out_dir} "
+                      "--init_from=resume (and the same model options)")
+        except ValueError as e:
+            parser.error(str(e))
         return
     try:
         m, tokenizer = load_exported(args.model_file)
