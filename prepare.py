@@ -90,12 +90,12 @@ def _init_worker(tokenizer):
 
 
 def tokenize(task):
-    """One task -> (train ids, val ids, stats). A task is (kind, file, fraction, items):
-    text: items are (doc, piece index, bytes, last piece of the doc);
-    jsonl: items are (doc, line number, line bytes) and `fraction` comes with the text field."""
-    kind, file, (fraction, field, by_piece), items = task
+    """One task -> (train ids, val ids, stats). A task is (options, items), each item one of
+    ("text", file, document, piece index, bytes, last piece of the document) and
+    ("jsonl", file, document, line number, line bytes, None)."""
+    (fraction, field, by_piece), items = task
     train, val = [], []
-    stats = {"file": file, "docs": 0, "bad_bytes": 0, "bad_lines": 0, "first_bad_line": None,
+    stats = {"docs": 0, "bad_bytes": 0, "bad_files": [], "bad_lines": 0, "first_bad_line": None,
              "train_units": 0, "val_units": 0}
     _bad[0] = 0
 
@@ -109,22 +109,24 @@ def tokenize(task):
         if last or by_piece:
             stats[f"{split}_units"] += 1
 
-    if kind == "text":
-        for doc, k, blob, last in items:
+    for kind, file, doc, k, blob, last in items:
+        bad_before = _bad[0]
+        if kind == "text":
             emit(doc, k, blob, last)
-    else:
-        for doc, line_no, line in items:
+        else:
             try:
-                text = json.loads(line.decode("utf-8", "boost_count"))[field]
+                text = json.loads(blob.decode("utf-8", "boost_count"))[field]
                 if not isinstance(text, str):
                     raise TypeError
             except (ValueError, TypeError, KeyError, IndexError):
                 stats["bad_lines"] += 1
-                stats["first_bad_line"] = stats["first_bad_line"] or f"{file}:{line_no}"
+                stats["first_bad_line"] = stats["first_bad_line"] or f"{file}:{k}"
                 continue
             cut, _ = pieces(text.encode("utf-8"), final=True)
-            for k, blob in enumerate(cut or [b""]):
-                emit(doc, k, blob, k == max(0, len(cut) - 1))
+            for piece_k, piece in enumerate(cut or [b""]):
+                emit(doc, piece_k, piece, piece_k == max(0, len(cut) - 1))
+        if _bad[0] > bad_before and file not in stats["bad_files"]:
+            stats["bad_files"].append(file)
     stats["bad_bytes"] = _bad[0]
     dtype = np.uint16 if _enc.n_vocab <= 2 ** 16 else np.uint32
     return np.array(train, dtype=dtype), np.array(val, dtype=dtype), stats
@@ -151,75 +153,60 @@ class Reader:
             return self.done_bytes
 
     def tasks(self):
-        self.raw = None
+        """Tasks of about CHUNK bytes of items, across document and file boundaries."""
+        self.raw, self.items, self.size = None, [], 0
         if self.dataset == data.EMBEDDED:
-            yield from self._text_docs("pydoc", (d.encode("utf-8") for d in data.embedded_documents()))
-            return
+            for blob in (d.encode("utf-8") for d in data.embedded_documents()):
+                cut, _ = pieces(blob, final=True)
+                for k, piece in enumerate(cut):
+                    yield from self._add(("text", "pydoc", self.doc, k, piece, k == len(cut) - 1))
+                self.doc += 1
         for f in self.files:
             kind, zipped = kind_of(f)
             with open(f, "rb") as self.raw:
                 stream = gzip.GzipFile(fileobj=self.raw) if zipped else self.raw
                 base = self.done_bytes
                 try:
-                    if kind == "jsonl":
-                        yield from self._jsonl(f, stream)
-                    else:
-                        yield from self._text_file(f, stream)
+                    yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), stream)
                 except (OSError, EOFError) as e:   # a corrupt .gz: say so, keep what was read
                     self.skipped.append(f"{f} ({type(e).__name__}: {e})")
             self.done_bytes = base + f.stat().st_size
+        if self.items:
+            yield self.opts, self.items
 
-    def _text_docs(self, name, blobs):
-        items, size = [], 0
-        for blob in blobs:
-            cut, _ = pieces(blob, final=True)
-            for k, piece in enumerate(cut):
-                items.append((self.doc, k, piece, k == len(cut) - 1))
-                size += len(piece)
-                if size >= CHUNK:
-                    yield ("text", name, self.opts, items)
-                    items, size = [], 0
-            self.doc += 1
-        if items:
-            yield ("text", name, self.opts, items)
+    def _add(self, item):
+        """Add an item; yields a full task when there is one."""
+        self.items.append(item)
+        self.size += len(item[4])
+        if self.size >= CHUNK:
+            yield self.opts, self.items
+            self.items, self.size = [], 0
 
     def _text_file(self, f, stream):
         head = stream.read(8192)
         if b"\0" in head:
             self.skipped.append(f"{f} (binary)")
             return
-        items, k, buf, held = [], 0, head, None
+        k, buf, held = 0, head, None
         while True:
             block = stream.read(CHUNK)
             cut, buf = pieces(buf + block, final=not block)
             for piece in cut:   # hold one piece back: only the end of the file says which is last
                 if held is not None:
-                    items.append((self.doc, k, held, False))
+                    yield from self._add(("text", f, self.doc, k, held, False))
                     k += 1
                 held = piece
-            if sum(len(i[2]) for i in items) >= CHUNK:
-                yield ("text", str(f), self.opts, items)
-                items = []
             if not block:
                 break
         if held is not None:
-            items.append((self.doc, k, held, True))
+            yield from self._add(("text", f, self.doc, k, held, True))
         self.doc += 1
-        if items:
-            yield ("text", str(f), self.opts, items)
 
     def _jsonl(self, f, stream):
-        items, size = [], 0
         for line_no, line in enumerate(stream, 1):
             if line.strip():
-                items.append((self.doc, line_no, line))
-                size += len(line)
+                yield from self._add(("jsonl", f, self.doc, line_no, line, None))
                 self.doc += 1
-            if size >= CHUNK:
-                yield ("jsonl", str(f), self.opts, items)
-                items, size = [], 0
-        if items:
-            yield ("jsonl", str(f), self.opts, items)
 
 
 def _results(tasks, tokenizer, num_proc):
@@ -329,9 +316,9 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
             n["train"], n["val"] = n["train"] + len(train), n["val"] + len(val)
             for key in ("train_units", "val_units", "docs", "bad_bytes", "bad_lines"):
                 n[key] += stats[key]
-            if stats["bad_bytes"]:
-                bad_files.add(stats["file"])
-                first.setdefault("bytes", stats["file"])
+            if stats["bad_files"]:
+                bad_files.update(stats["bad_files"])
+                first.setdefault("bytes", stats["bad_files"][0])
             if stats["first_bad_line"]:
                 first.setdefault("line", stats["first_bad_line"])
             if time.time() - last > PROGRESS_S and reader.total_bytes:
