@@ -15,6 +15,8 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
   forwards both to its workers and waits 30 s before SIGKILL) set a flag; the loop finishes the
   current step, the ranks agree, it saves a checkpoint and exits 128 + the signal number. A second
   signal stops at once. Before the loop starts, a signal stops at once (there is nothing to save).
+  Under torchrun the ranks agree through one all-reduce of their flags a step, overlapped with the
+  next step, so the run stops one step after the signal.
 """
 import fcntl
 import json
@@ -156,11 +158,23 @@ class Interrupt:
         self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops at once)")
 
     def agreed(self, device):
-        """The signal number if any rank was interrupted (collective under torchrun), else 0."""
+        """The signal number if a rank was interrupted, else 0; called once a step by every rank.
+        Under torchrun the ranks' flags of one step are all-reduced (MAX) while the next step
+        computes (async_op), so agreeing costs no wait; the run stops one step after the signal."""
         if not dist.is_initialized():
             return self.signum
+        result = self.settle()
         flag = torch.tensor([self.signum], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return result
+
+    def settle(self):
+        """Wait for the all-reduce in flight (before other collectives, at the end); its result."""
+        work, flag = getattr(self, "pending", (None, None))
+        self.pending = (None, None)
+        if work is None:
+            return 0
+        work.wait()
         return int(flag.item())
 
     def restore(self):

@@ -289,8 +289,9 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
                 + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, eta {rundir.duration(eta)}")
             metrics.write(record)
         iter_num += 1
-        signum = interrupt.agreed(device) if world > 1 else interrupt.signum
+        signum = interrupt.agreed(device)
         if signum:  # every rank finished this step: save it, say how to go on, stop
+            interrupt.settle()
             path = save_checkpoint()
             log(f"interrupted at iteration {iter_num}; saved {path}; continue with --init_from=resume")
             metrics.event("interrupted", iter=iter_num, signal=signum, checkpoint=path)
@@ -298,6 +299,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
             finish(world)
             return signum
 
+    interrupt.settle()
     summary = (f"{tc.max_iters - start_iter} iterations ({start_iter}..{tc.max_iters}), "
                f"{(tc.max_iters - start_iter) * tokens_per_iter:,} tokens in {rundir.duration(time.time() - t_start)}")
     log(f"done: {summary}; best val loss {best_val:.4f}; last checkpoint {last_ckpt or 'none'}"
