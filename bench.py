@@ -11,7 +11,8 @@
 Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
 bench-results/, which git ignores). Each comparison is measured in one run, the configurations
 interleaved step by step, since these machines are noisy. Extra `--key=value` arguments set the
-model as in train.py; `--iters=N` the timed steps per configuration; `--tp=2,4` the TP degrees of
+model as in train.py (a config file such as configs/boost_test.toml replaces a bench's default shape);
+`--iters=N` the timed steps per configuration; `--tp=2,4` the TP degrees of
 `layouts`; `--mb=N` the size of `data`'s corpus and `--keep=DIR` where to keep it (default: a
 temporary folder). `python bench.py -h` prints this.
 """
@@ -40,8 +41,9 @@ def train_run(nproc, args, out_dir):
     """train.py (under torchrun when nproc > 1); returns its metrics records."""
     launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [PY]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
-    res = subprocess.run([*launcher, str(ROOT / "train.py"), f"--out_dir={out_dir}", "--sample_tokens=0",
-                          "--log_interval=1", *args], capture_output=True, text=True, env=env, timeout=3600)
+    args = shape_args(args, [])   # a config file first
+    res = subprocess.run([*launcher, str(ROOT / "train.py"), *args[:1], f"--out_dir={out_dir}", "--sample_tokens=0",
+                          "--log_interval=1", *args[1:]], capture_output=True, text=True, env=env, timeout=3600)
     if res.returncode:
         sys.exit(f"train.py {' '.join(args)} failed:\n{res.stderr[-2000:]}")
     records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
@@ -52,6 +54,13 @@ def steady(records, key):
     """Median of `key` over the training records, the first 3 (warm-up) left out."""
     values = [r[key] for r in records if "loss" in r][3:]
     return statistics.median(values)
+
+
+def shape_args(extra, default):
+    """train.py's arguments for a bench: a config file among `extra` (configs/*.toml) replaces the
+    bench's default shape and goes first; the other options follow."""
+    files = [a for a in extra if a.endswith(".toml")]
+    return files + [a for a in extra if not a.endswith(".toml")] if files else [*default, *extra]
 
 
 def table(header, rows):
@@ -210,7 +219,7 @@ def measure(world, names, cfg, batch, iters):
 def bench_layouts(iters, extra, tps):
     """The paper's comparison on this machine: the layouts at each TP degree, then the ablations."""
     import options
-    cfg, tc = options.parse_args(["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8", *extra])
+    cfg, tc = options.parse_args(shape_args(extra, ["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8"]))
     tokens = tc.batch_size * cfg.block_size
     rows, out = [], {}
     for tp in tps:
@@ -246,7 +255,7 @@ def bench_checkpoint(extra):
     import options
     import train_state
     from model import Llama
-    cfg, _ = options.parse_args(["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16", *extra])
+    cfg, _ = options.parse_args(shape_args(extra, ["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16"]))
     cfg.vocab_size = 50304
     model = Llama(cfg)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -273,7 +282,7 @@ def bench_traffic(extra, tp):
     import torch.multiprocessing as mp
     from model import Config
     import options
-    cfg, _ = options.parse_args(extra)
+    cfg, _ = options.parse_args(shape_args(extra, []))
     kwargs = {k: v for k, v in cfg.shape().items()}
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_traffic_worker, args=(tp, f"{tmp}/store", kwargs, f"{tmp}/out.json"), nprocs=tp,
