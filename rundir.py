@@ -21,6 +21,7 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
 import fcntl
 import json
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -143,6 +144,7 @@ class Interrupt:
 
     def __init__(self, say):
         self.say, self.signum, self.armed = say, 0, False
+        self.pending = (None, None)   # (work, flag) of the agreement all-reduce in flight
         self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
 
     def handle(self, signum, frame):
@@ -170,7 +172,7 @@ class Interrupt:
 
     def settle(self):
         """Wait for the all-reduce in flight (before other collectives, at the end); its result."""
-        work, flag = getattr(self, "pending", (None, None))
+        work, flag = self.pending
         self.pending = (None, None)
         if work is None:
             return 0
@@ -186,7 +188,6 @@ def peak_memory_gb(device):
     """This rank's peak memory: CUDA max allocated on a GPU, peak resident set size elsewhere."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 

@@ -170,7 +170,9 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
     metrics = rundir.Metrics(tc.out_dir, master)
     if master:
         rundir.write_run(tc.out_dir, run_id, argv)
-        metrics.event("resume", iter=iter_num, checkpoint=resume_from, run_id=run_id) if resume_from else \
+        if resume_from:
+            metrics.event("resume", iter=iter_num, checkpoint=resume_from, run_id=run_id)
+        else:
             metrics.event("start", run_id=run_id, argv=argv)
 
     def mean_over_dp(value):
