@@ -281,8 +281,8 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
         enc = data.get_tokenizer(tokenizer)
         tmp = {s: out / f"{s}.bin.{os.getpid()}.tmp" for s in ("train", "val")}
         try:
-            meta = _write(dataset, tokenizer, out, tmp, num_proc or os.cpu_count() or 1, val_fraction, text_field,
-                          enc, log)
+            workers = num_proc or len(os.sched_getaffinity(0))   # 0: every CPU this process may use
+            meta = _write(dataset, tokenizer, out, tmp, workers, val_fraction, text_field, enc, log)
         finally:
             for t in tmp.values():
                 t.unlink(missing_ok=True)
