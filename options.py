@@ -35,11 +35,11 @@ class TrainConfig:
     keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
     inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
     # data
-    dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded) or a text file or folder
+    dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded), or text / JSON Lines / .gz files or a folder
     tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
     data_dir: str = "data"         # where prepared token files are kept
     num_proc: int = 0              # processes preparing a corpus; 0: every CPU (prepare.py)
-    val_fraction: float = 0.1      # share of the corpus's documents (pieces of at most 16 KiB) held out
+    val_fraction: float = 0.1      # share of the documents held out (of the ~16 KiB pieces, for one text file)
     text_field: str = "text"       # the field of a JSON line that holds its text
     batch_size: int = 16           # sequences per micro-step per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-steps per iteration, in total over the dp ranks
@@ -71,8 +71,8 @@ class TrainConfig:
     timeout_s: int = 600           # process-group timeout
 
 
-CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "tokenizer": data.TOKENIZERS, "init_from": ("scratch", "resume", "auto"),
-           "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
+CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "tokenizer": data.TOKENIZERS,
+           "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
 FAULTS = ("kill", "nan", "kill_in_save")
 

@@ -43,6 +43,11 @@ PROGRESS_S = 5.0             # seconds between progress lines
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
+def token_dtype(n_vocab):
+    """The integer type of the token files: 16 bits while the vocabulary fits."""
+    return np.uint16 if n_vocab <= 2 ** 16 else np.uint32
+
+
 def kind_of(path):
     """'jsonl' or 'text', and whether gzip-compressed, from the file name."""
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
@@ -128,7 +133,7 @@ def tokenize(task):
         if _bad[0] > bad_before and file not in stats["bad_files"]:
             stats["bad_files"].append(file)
     stats["bad_bytes"] = _bad[0]
-    dtype = np.uint16 if _enc.n_vocab <= 2 ** 16 else np.uint32
+    dtype = token_dtype(_enc.n_vocab)
     return np.array(train, dtype=dtype), np.array(val, dtype=dtype), stats
 
 
@@ -142,6 +147,7 @@ class Reader:
         by_piece = len(self.files) == 1 and kind_of(self.files[0])[0] == "text"   # no documents to split by
         self.dataset, self.opts, self.done_bytes, self.doc = dataset, (fraction, field, by_piece), 0, 0
         self.total_bytes = sum(f.stat().st_size for f in self.files)
+        self.item_bytes = 0   # bytes handed to the workers (the embedded corpus has no files to count)
         self.skipped = []   # binary files, named in the summary
 
     @property
@@ -178,6 +184,7 @@ class Reader:
         """Add an item; yields a full task when there is one."""
         self.items.append(item)
         self.size += len(item[4])
+        self.item_bytes += len(item[4])
         if self.size >= CHUNK:
             yield self.opts, self.items
             self.items, self.size = [], 0
@@ -262,8 +269,7 @@ def ready(out, fp, log=None):
 
 def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_field="text", log=print):
     """Tokenise `dataset` into <data_dir>/<name>-<tokenizer>/ unless already prepared; return the folder."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
+    data.check_prepare_options(dataset, data_dir, num_proc, val_fraction)
     out = data.prepared_dir(dataset, tokenizer, data_dir)
     fp = fingerprint(dataset, val_fraction, text_field)
     if ready(out, fp):
@@ -327,7 +333,6 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
                 log(f"data: {done / 1e9:.2f}/{reader.total_bytes / 1e9:.2f} GB read, {n['docs']:,} documents, "
                     f"{n['train'] + n['val']:,} tokens, {rate / 1e6:.1f} MB/s, "
                     f"eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
-    dtype = np.uint16 if enc.n_vocab <= 2 ** 16 else np.uint32
     if n["train"] == 0 or n["val"] == 0:
         unit = f"pieces of up to {PIECE // 1024} KiB" if reader.opts[2] else "documents"
         where = f"{dataset}" + (f" ({'; '.join(reader.skipped)} skipped)" if reader.skipped else "")
@@ -336,7 +341,7 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     for split in ("train", "val"):
         os.replace(tmp[split], out / f"{split}.bin")
     seconds = time.time() - t0
-    mb = (reader.total_bytes or sum(len(d.encode()) for d in data.embedded_documents())) / 1e6
+    mb = (reader.total_bytes or reader.item_bytes) / 1e6
     notes = [f"{len(reader.skipped)} file(s) skipped (first: {reader.skipped[0]})"] if reader.skipped else []
     if n["bad_bytes"]:
         notes.append(f"{n['bad_bytes']:,} invalid UTF-8 bytes replaced in {len(bad_files)} file(s) (first: {first['bytes']})")
@@ -345,7 +350,7 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({mb / seconds:.1f} MB/s, {num_proc} "
         f"process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, {n['train']:,} train and {n['val']:,} "
         f"val tokens, in {out}" + "".join(f"; {x}" for x in notes))
-    return {"dtype": np.dtype(dtype).name, "train_tokens": n["train"], "val_tokens": n["val"], "documents": n["docs"],
+    return {"dtype": np.dtype(token_dtype(enc.n_vocab)).name, "train_tokens": n["train"], "val_tokens": n["val"], "documents": n["docs"],
             "train_units": n["train_units"], "val_units": n["val_units"], "split_by": "piece" if reader.opts[2] else
             "document", "skipped_files": reader.skipped,
             "invalid_utf8_bytes": n["bad_bytes"], "malformed_json_lines": n["bad_lines"], "seconds": seconds}
@@ -362,7 +367,6 @@ def main(argv):
     parser.add_argument("--text_field", default="text", help="the field of a JSON line that holds its text")
     args = parser.parse_args(argv)
     try:
-        data.check_prepare_options(args.dataset, args.data_dir, args.num_proc, args.val_fraction)
         folder = prepare(args.dataset, args.tokenizer, args.data_dir, args.num_proc, args.val_fraction,
                          args.text_field)
     except ValueError as e:

@@ -31,11 +31,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
-_held = []  # open lock files: alive as long as the run
-
-
 def lock(out_dir):
-    """Hold <out_dir>/run.lock for the life of this process; ValueError if another run holds it."""
+    """Take <out_dir>/run.lock and return its open file (held while the caller keeps it open);
+    ValueError if another run holds it."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, "run.lock"), "a+")
@@ -52,21 +50,26 @@ def lock(out_dir):
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {os.uname().nodename}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
-    _held.append(f)
     return f
 
 
 def unlock(f):
-    if f in _held:
-        _held.remove(f)
+    """Free a lock taken by lock() (None: nothing to free)."""
+    if f is not None:
         f.close()
+
+
+def _checkpoint_folders(out_dir):
+    """Every checkpoint folder a run wrote in out_dir, complete (iter_N) or not (iter_N.tmp)."""
+    folder = os.path.join(out_dir, "checkpoints")
+    return sorted(os.path.join(folder, d) for d in os.listdir(folder) if d.startswith("iter_")) \
+        if os.path.isdir(folder) else []
 
 
 def _earlier_run(out_dir):
     """What an earlier run left in out_dir: a list of 'N checkpoints', 'metrics.jsonl'."""
     found = []
-    ckpts = [d for d in os.listdir(os.path.join(out_dir, "checkpoints")) if d.startswith("iter_")] \
-        if os.path.isdir(os.path.join(out_dir, "checkpoints")) else []
+    ckpts = _checkpoint_folders(out_dir)
     if ckpts:
         found.append(f"{len(ckpts)} checkpoint folder{'s' if len(ckpts) > 1 else ''}")
     if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
@@ -95,10 +98,8 @@ def check_scratch(out_dir, overwrite):
 
 def discard(out_dir):
     """--overwrite: remove what an earlier run wrote (checkpoints/iter_*, metrics.jsonl, run.json)."""
-    for d in sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) \
-            if os.path.isdir(os.path.join(out_dir, "checkpoints")) else []:
-        if d.startswith("iter_"):
-            shutil.rmtree(os.path.join(out_dir, "checkpoints", d))
+    for d in _checkpoint_folders(out_dir):
+        shutil.rmtree(d)
     for name in ("metrics.jsonl", "run.json"):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
