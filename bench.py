@@ -3,6 +3,7 @@
     python bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
     python bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
     python bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
+    python bench.py comm     # exposed communication: each layout plain, with --overlap and with no communication
     python bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
     python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
     python bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
@@ -141,6 +142,7 @@ VARIANTS = {  # name: (arch, layout or None for one device, recompute, BTP optio
     "full": ("full", None, "none", {}), "svd": ("svd", None, "none", {}), "cola": ("cola", None, "none", {}),
     "full/megatron": ("full", "megatron", "none", {}), "cola/vanilla": ("cola", "vanilla", "none", {}),
     "svd/btp": ("svd", "btp", "none", {}), "cola/btp": ("cola", "btp", "none", {}),
+    "cola/btp, a TP group of one": ("cola", "btp", "none", {}),
     "cola/btp separate norm all-reduce": ("cola", "btp", "none", {"online_norm": False}),
     "cola/btp ungrouped projections": ("cola", "btp", "none", {"grouped": False}),
     "cola/btp recompute=layer": ("cola", "btp", "layer", {}),
@@ -160,10 +162,9 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     from checkpointing import SavedBytes, run_layers
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-        env = parallel.TP(dist.group.WORLD, rank, world)
-        parallel.LEDGER.name(dist.group.WORLD, "tp")
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
+    env = parallel.TP(dist.group.WORLD, rank, world)
+    parallel.LEDGER.name(dist.group.WORLD, "tp")
     runs, out = {}, {}
     for name in names:
         arch, layout, recompute, options = VARIANTS[name]
@@ -223,9 +224,9 @@ def bench_layouts(iters, extra, tps):
     tokens = tc.batch_size * cfg.block_size
     rows, out = [], {}
     for tp in tps:
-        names = ["full", "svd", "cola"] if tp == 1 else \
+        names = ["full", "svd", "cola", "cola/btp, a TP group of one"] if tp == 1 else \
             ["full/megatron", "cola/vanilla", "svd/btp", "cola/btp"] + \
-            ([n for n in VARIANTS if " " in n] if tp == tps[-1] or tp == 2 else [])
+            ([n for n in VARIANTS if " " in n and "group of one" not in n] if tp == tps[-1] or tp == 2 else [])
         out[tp] = measure(tp, names, cfg, tc.batch_size, iters)
         base = out[tp].get("cola/btp", out[tp].get("cola"))
         for name, r in out[tp].items():
@@ -247,6 +248,17 @@ def bench_layouts(iters, extra, tps):
                                     "saved activations MB", "time vs cola/btp (or cola)"], rows) + \
         "\n\nRecompute (Table 3 of the paper)\n\n" + \
         table(["tp", "variant", "MB saved vs none", "extra ms/step", "MB saved per ms"], table3), out
+
+
+def bench_comm(iters, extra):
+    import bench_comm
+    import options
+    cfg, tc = options.parse_args(shape_args(extra, ["--n_layer=4", "--n_embd=512", "--n_head=8", "--block_size=256",
+                                                    "--batch_size=4"]))
+    header, rows, probe_title, probe_header, probe_rows, out = bench_comm.bench_comm(iters, cfg, tc.batch_size)
+    title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, r={cfg.attn_rank}, {tc.batch_size} x {cfg.block_size} tokens "
+             "per step, fp32, gloo, one process per rank with one thread; median ms of fwd + bwd + AdamW")
+    return f"{title}\n\n{table(header, rows)}\n\n{probe_title}\n\n{table(probe_header, probe_rows)}", out
 
 
 def bench_checkpoint(extra):
@@ -300,8 +312,8 @@ def main(argv):
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return
-    if not argv or argv[0] not in ("archs", "traffic", "layouts", "pp", "model", "data", "checkpoint"):
-        sys.exit("error: name one of archs, traffic, layouts, pp, model, data, checkpoint (python bench.py -h)")
+    if not argv or argv[0] not in ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint"):
+        sys.exit("error: name one of archs, traffic, layouts, comm, pp, model, data, checkpoint (python bench.py -h)")
     what, iters, tps, extra, json_dir = argv[0], 10, (1, 2, 4), [], ROOT / "bench-results"
     mb, keep = 1024, None
     try:
@@ -324,6 +336,8 @@ def main(argv):
         text, out = bench_archs(iters, extra)
     elif what == "layouts":
         text, out = bench_layouts(iters, extra, tps)
+    elif what == "comm":
+        text, out = bench_comm(iters, extra)
     elif what == "pp":
         text, out = bench_pp(iters, extra)
     elif what == "traffic":

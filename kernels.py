@@ -57,12 +57,9 @@ def norm_down_ref(x, gamma, A):
 
 
 def grouped_up_ref(z, Bs):
-    """z (..., G·r) the concatenated latents, Bs [(n_g, r)] -> [z_g·B_gᵀ (..., n_g)]."""
-    zs = z.split(Bs[0].shape[1], -1)
-    if len({B.shape for B in Bs}) == 1:  # equal widths: one batched GEMM
-        Y = torch.bmm(torch.stack([zg.reshape(-1, zg.shape[-1]) for zg in zs]), torch.stack(Bs).transpose(1, 2))
-        return [y.view(*z.shape[:-1], -1) for y in Y.unbind(0)]
-    return [zg @ B.t() for zg, B in zip(zs, Bs)]
+    """z (..., G·r) the concatenated latents, Bs [(n_g, r)] -> [z_g·B_gᵀ (..., n_g)]: one GEMM per
+    group on a strided view of z, so nothing is copied (a stacked bmm copies z and every B_g twice)."""
+    return [zg @ B.t() for zg, B in zip(z.split(Bs[0].shape[1], -1), Bs)]
 
 
 def rms_norm_ref(x, gamma, eps):
@@ -93,6 +90,27 @@ def grouped_up(z, Bs):
     z2, W = _autocast(z.reshape(-1, z.shape[-1]), torch.cat(Bs))  # autograd of cat splits dW
     Y = GroupedUp.apply(z2, W, tuple(B.shape[0] for B in Bs))
     return [y.view(*z.shape[:-1], -1) for y in Y.split([B.shape[0] for B in Bs], -1)]
+
+
+# grouped_up's backward in two halves, for parallel.CopyUp, which all-reduces dz while dB computes
+def grouped_up_dz(dys, Bs):
+    """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r), dz_g = dy_g·B_g."""
+    if _backend == "torch":
+        return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
+    dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
+    W = torch.cat(Bs).to(dY.dtype)
+    return _up_dz(dY, W, [B.shape[0] for B in Bs]).view(*dys[0].shape[:-1], -1)
+
+
+def grouped_up_dB(dys, z, Bs):
+    """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype."""
+    zs = z.split(Bs[0].shape[1], -1)
+    if _backend == "torch":
+        return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype)).to(B.dtype)
+                for dy, zg, B in zip(dys, zs, Bs)]
+    dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
+    dW = _up_dW(dY, z.reshape(-1, z.shape[-1]).to(dY.dtype), Bs[0].shape[1], [B.shape[0] for B in Bs])
+    return [d.to(B.dtype) for d, B in zip(dW.split([B.shape[0] for B in Bs]), Bs)]
 
 
 def rms_norm(x, gamma, eps):
@@ -296,21 +314,36 @@ class GroupedUp(torch.autograd.Function):
         grouped_mm((Z, R, 1), (W, 1, r), (Y, Y.stride(0), 1),
                    [(M, n, r, 0, g * r, 0, o, 0, o) for g, (n, o) in enumerate(zip(widths, offsets))])
         ctx.save_for_backward(Z, W)
-        ctx.widths, ctx.offsets = widths, offsets
+        ctx.widths = widths
         return Y
 
     @staticmethod
     def backward(ctx, dY):
         Z, W = ctx.saved_tensors
         dY = dY.contiguous()
-        (M, R), r, n_all = Z.shape, W.shape[1], dY.shape[1]
-        pairs = list(enumerate(zip(ctx.widths, ctx.offsets)))
-        dZ, dW = torch.empty_like(Z), torch.empty_like(W)
-        grouped_mm((dY, n_all, 1), (W, r, 1), (dZ, R, 1),                        # dz_g = dy_g·B_g
-                   [(M, r, n, 0, o, o, 0, 0, g * r) for g, (n, o) in pairs])
-        grouped_mm((dY, 1, n_all), (Z, R, 1), (dW, r, 1),                        # dB_g = dy_gᵀ·z_g
-                   [(n, r, M, o, 0, 0, g * r, o, 0) for g, (n, o) in pairs])
-        return dZ, dW, None
+        return _up_dz(dY, W, ctx.widths), _up_dW(dY, Z, W.shape[1], ctx.widths), None
+
+
+def _up_dz(dY, W, widths):
+    """dY (M, Σn_g), W (Σn_g, r) -> dZ (M, G·r): dz_g = dy_g·B_g."""
+    dY, W = dY.contiguous(), W.contiguous()
+    (M, n_all), r = dY.shape, W.shape[1]
+    offsets = [sum(widths[:g]) for g in range(len(widths))]
+    dZ = torch.empty(M, r * len(widths), dtype=dY.dtype, device=dY.device)
+    grouped_mm((dY, n_all, 1), (W, r, 1), (dZ, dZ.shape[1], 1),
+               [(M, r, n, 0, o, o, 0, 0, g * r) for g, (n, o) in enumerate(zip(widths, offsets))])
+    return dZ
+
+
+def _up_dW(dY, Z, r, widths):
+    """dY (M, Σn_g), Z (M, G·r) -> dW (Σn_g, r): dB_g = dy_gᵀ·z_g."""
+    dY, Z = dY.contiguous(), Z.contiguous()
+    (M, n_all), R = dY.shape, Z.shape[1]
+    offsets = [sum(widths[:g]) for g in range(len(widths))]
+    dW = torch.empty(n_all, r, dtype=Z.dtype, device=Z.device)
+    grouped_mm((dY, 1, n_all), (Z, R, 1), (dW, r, 1),
+               [(n, r, M, o, 0, 0, g * r, o, 0) for g, (n, o) in enumerate(zip(widths, offsets))])
+    return dW
 
 
 def _rows():

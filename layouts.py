@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import kernels
 from checkpointing import forward_chunks, run_layers
 from model import Llama, causal_attention, gated_product, latent_act
-from parallel import Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce
+from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
+                      column_parallel)
 
 LAYOUTS = ("btp", "vanilla", "megatron")
 
@@ -136,13 +137,12 @@ class BTPBlock(Sharded):
         """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S], replicated."""
         z = HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps) \
             if self.online_norm else HS
-        return Copy.apply(self.act(z), self.tp.group)                            # (b, s, n)
+        return self.act(z)                                                       # (b, s, n)
 
     def up(self, z, Bs):
-        """The up-projections of z's groups: one grouped GEMM (or, ablated, one GEMM each)."""
-        if self.grouped:
-            return kernels.grouped_up(z, Bs)
-        return [zg @ B.t() for zg, B in zip(z.split(Bs[0].shape[1], -1), Bs)]
+        """The column-parallel up-projections of the replicated latent z's groups, one grouped GEMM
+        (Copy first: backward all-reduces dz; overlapped with the dB GEMMs under --overlap)."""
+        return column_parallel(z, Bs, self.tp, sliced=True)
 
     def qkv_down(self, x):
         return self.norm_down(x, self.attn_norm, self.A_qkv, self.cfg.attn_rank)  # (b, s, 3r+1) partial
@@ -155,7 +155,7 @@ class BTPBlock(Sharded):
         return y @ self.A_o.t()                                                  # (b, s, r) partial
 
     def o_chunk(self, u, x):
-        x = x + Copy.apply(self.act(u), self.tp.group) @ self.B_o.t()           # (b, s, d/t)
+        x = x + self.up(self.act(u), [self.B_o])[0]                              # (b, s, d/t)
         return x, self.norm_down(x, self.mlp_norm, self.A_gu, self.cfg.mlp_rank)  # (b, s, 2r+1) partial
 
     def mlp_chunk(self, HS):
@@ -165,7 +165,7 @@ class BTPBlock(Sharded):
         return h @ self.A_down.t()                                               # (b, s, r) partial
 
     def down_chunk(self, u, x):
-        return x + Copy.apply(self.act(u), self.tp.group) @ self.B_down.t()     # (b, s, d/t)
+        return x + self.up(self.act(u), [self.B_down])[0]                        # (b, s, d/t)
 
     forward = forward_chunks
 
@@ -189,8 +189,9 @@ class VanillaBlock(Sharded):
         return partial  # a column-parallel A gives this rank's latent slice whole
 
     def down(self, h, *keys):
-        """Copy, then each column-parallel A: this rank's r/t latent slices, concatenated."""
-        return torch.cat([Copy.apply(h, self.tp.group) @ getattr(self, k + "_A").t() for k in keys], -1)
+        """Each column-parallel A after its own Copy (one backward all-reduce per A, as in the
+        paper's vanilla TP): this rank's r/t latent slices, concatenated."""
+        return torch.cat([column_parallel(h, [getattr(self, k + "_A")], self.tp)[0] for k in keys], -1)
 
     def up(self, z, key):
         """σ, row-parallel B, all-reduce of the full d_out."""
@@ -240,12 +241,12 @@ class MegatronBlock(Sharded):
 
     def forward(self, x, cos, sin):
         cfg, t, g = self.cfg, self.tp.size, self.tp.group
-        h = Copy.apply(kernels.rms_norm(x, self.attn_norm, cfg.norm_eps), g)  # (b, s, d)
-        y = causal_attention(h @ self.W_q.t(), h @ self.W_k.t(), h @ self.W_v.t(),
-                             cfg.n_head // t, cfg.n_kv_head // t, cos, sin)           # (b, s, d/t)
+        h = kernels.rms_norm(x, self.attn_norm, cfg.norm_eps)                         # (b, s, d)
+        q, k, v = column_parallel(h, [self.W_q, self.W_k, self.W_v], self.tp)         # Copy, GEMMs
+        y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
-        h = Copy.apply(kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps), g)
-        a = gated_product(cfg.mlp_gate, h @ self.W_gate.t(), h @ self.W_up.t())       # (b, s, f/t)
+        h = kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps)
+        a = gated_product(cfg.mlp_gate, *column_parallel(h, [self.W_gate, self.W_up], self.tp))  # (b, s, f/t)
         return x + Reduce.apply(a @ self.W_down.t(), g)                               # (b, s, d)
 
 
@@ -314,13 +315,13 @@ class TPLlama(Sharded):
             return x                                                # to the next pipeline stage
         if self.layout == "btp":
             x = Gather.apply(x, g)                                  # (b, s, d)
-        x = Copy.apply(kernels.rms_norm(x, self.norm, self.cfg.norm_eps), g)
+        x = kernels.rms_norm(x, self.norm, self.cfg.norm_eps)      # (b, s, d)
         head = self.head()                                          # (V/t, d)
-        if self.pipelined:
-            return x @ head.t()                                     # (b, s, V/t) to the schedule's loss
-        if targets is None:
+        if targets is None and not self.pipelined:
             return all_gather_last(x[:, [-1], :] @ head.t(), g, "fwd"), None  # (b, 1, V)
-        logits = x @ head.t()                                       # (b, s, V/t)
+        logits = column_parallel(x, [head], self.tp)[0]             # (b, s, V/t), Copy first
+        if self.pipelined:
+            return logits                                           # to the schedule's loss
         loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
         return logits, loss
 

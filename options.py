@@ -61,6 +61,7 @@ class TrainConfig:
     pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
     recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
     kernels: str = "auto"          # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
+    overlap: bool = True           # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
     # system
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16

@@ -13,6 +13,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
+
+import kernels
 
 
 # ------------------------------------------------------------------------------------ the ledger
@@ -48,20 +51,50 @@ class Ledger:
 LEDGER = Ledger()
 
 
-def all_reduce(x, group, phase, op=dist.ReduceOp.SUM):
+# bench.py's lower bound: True skips every collective (the ledger still counts them), so a step
+# costs only its computation. Its results are wrong on purpose; no training option sets it.
+NO_COMM = False
+
+
+def all_reduce(x, group, phase, op=dist.ReduceOp.SUM, async_op=False):
+    """Sum (or `op`) x over the group, in place when x is contiguous. With async_op the result is
+    (x, work): the sum lands in x after work.wait(), and the caller computes in the meantime.
+    Profiler traces (--profile) show it as `all_reduce <group> <phase> <elements>`."""
     if dist.get_world_size(group) == 1:
-        return x  # a TP "group" of one (pipelining without TP): nothing to send
+        return (x, _Pending(None, "")) if async_op else x  # a TP "group" of one (pipelining without TP)
     x = x.contiguous()
     LEDGER.record("all_reduce", group, x, phase)
-    dist.all_reduce(x, op=op, group=group)
-    return x
+    label = f"all_reduce {LEDGER.names.get(id(group), '?')} {phase} {x.numel()}"
+    with record_function(label):
+        work = None if NO_COMM else dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    return (x, _Pending(work, label)) if async_op else x
+
+
+class _Pending:
+    """An asynchronous collective's handle; its wait shows in traces as `wait <label>`."""
+
+    def __init__(self, work, label):
+        self.work, self.label = work, label
+
+    def wait(self):
+        if self.work is not None:
+            with record_function("wait " + self.label):
+                self.work.wait()
 
 
 def all_gather_last(x, group, phase):
     """The tensors of the group's ranks concatenated along the last dim (no autograd)."""
+    if dist.get_world_size(group) == 1:
+        # not even a local gloo all_gather: its copies start a second OpenMP team on gloo's thread,
+        # and with more OpenMP threads than cores every later op of this process runs up to 3x slower
+        return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
+    if NO_COMM:
+        parts = [x] * len(parts)
+    else:
+        with record_function(f"all_gather {LEDGER.names.get(id(group), '?')} {phase} {x.numel() * len(parts)}"):
+            dist.all_gather(parts, x, group=group)
     out = torch.cat(parts, dim=-1)
     LEDGER.record("all_gather", group, out, phase)
     return out
@@ -82,7 +115,44 @@ class Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group, "bwd"), None
+        if dist.get_world_size(ctx.group) == 1:
+            return grad, None
+        return all_reduce(grad.clone(), ctx.group, "bwd"), None  # (the incoming grad may be shared)
+
+
+class CopyUp(torch.autograd.Function):
+    """Copy (f) fused with the column-parallel GEMMs that read its output, so that backward can
+    overlap its all-reduce with computation (Megatron's input-gradient all-reduce beside the
+    weight-gradient GEMM). Layouts use it with --overlap=true instead of `Copy` + matmuls.
+
+    x (..., k) and Ws [(n_g, r)]: sliced=True, y_g = x_g·W_gᵀ with x_g the g-th r-slice of x
+    (BTP's concatenated latents, kernels.grouped_up); sliced=False, y_g = x·W_gᵀ (every W reads
+    all of x). Backward: dx first, its all-reduce started asynchronously, then dW_g = dy_gᵀ·x_g
+    while it flies, then wait. Same values and the same one collective as Copy."""
+
+    @staticmethod
+    def forward(ctx, x, group, sliced, *Ws):
+        ctx.group, ctx.sliced = group, sliced
+        ctx.save_for_backward(x, *Ws)
+        if sliced:
+            return tuple(kernels.grouped_up(x, list(Ws)))
+        return tuple(x @ W.t() for W in Ws)                                    # [(..., n_g)]
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *Ws = ctx.saved_tensors
+        if ctx.sliced:
+            dx = kernels.grouped_up_dz(list(dys), Ws)                          # (..., G·r)
+        else:
+            dx = sum(dy @ W.to(dy.dtype) for dy, W in zip(dys, Ws))           # (..., k)
+        dx, work = all_reduce(dx, ctx.group, "bwd", async_op=True)
+        if ctx.sliced:
+            dWs = kernels.grouped_up_dB(list(dys), x, Ws)
+        else:
+            x2 = x.reshape(-1, x.shape[-1])                                    # (b·s, k)
+            dWs = [dy.reshape(-1, dy.shape[-1]).t() @ x2.to(dy.dtype) for dy in dys]  # [(n_g, k)]
+        work.wait()
+        return (dx, None, None, *dWs)
 
 
 class Reduce(torch.autograd.Function):
@@ -93,7 +163,11 @@ class Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.clone(), group, "fwd")
+        if not x.is_contiguous():
+            return all_reduce(x.contiguous(), group, "fwd")
+        # in place: x is a partial product that no one else reads (mark_dirty: autograd checks it)
+        ctx.mark_dirty(x)
+        return all_reduce(x, group, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
@@ -150,10 +224,22 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 @dataclass
 class TP:
-    """This process's tensor-parallel group: `tp_rank` of `size`."""
+    """This process's tensor-parallel group: `tp_rank` of `size`; `overlap` (--overlap) makes the
+    layouts use CopyUp for their column-parallel GEMMs."""
     group: object
     tp_rank: int
     size: int
+    overlap: bool = False
+
+
+def column_parallel(x, Ws, tp, sliced=False):
+    """Copy (f), then the column-parallel GEMMs that read x: [x·W_gᵀ], or with sliced=True
+    [x_g·W_gᵀ] on the g-th slice of x (BTP's grouped latents, kernels.grouped_up). With tp.overlap
+    the same values through CopyUp, whose backward overlaps the all-reduce with the dW GEMMs."""
+    if tp.overlap:
+        return list(CopyUp.apply(x, tp.group, sliced, *Ws))
+    x = Copy.apply(x, tp.group)
+    return kernels.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]
 
 
 def init_mesh(dp, tp, device_type, timeout_s, pp=1):

@@ -27,13 +27,15 @@ from model import Config, Llama
 def _equivalence_worker(rank, world, meshes):
     for dp, tp in meshes:
         mesh = parallel.init_mesh(dp, tp, "cpu", 120)
-        env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
+        plain, overlap = (parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, o) for o in (False, True))
         dp_rank = mesh.get_local_rank("dp")
         ablations = [("cola", "btp", {"online_norm": False}, {}), ("svd", "btp", {"grouped": False}, {})]
         variants = [(a, lay, {}, {"tie_embeddings": True, "mlp_gate": "silu" if a == "cola" else "none"})
                     for a, lay in TP_CASES]   # the reference configs' options: tied head, the other gate
-        for arch, layout, options, extra in [(a, lay, {}, {}) for a, lay in TP_CASES] + ablations + variants:
-            where = f"{arch}/{layout} {options} {extra} dp={dp} tp={tp}"
+        cases = [(a, lay, {}, {}, env) for a, lay in TP_CASES for env in (plain, overlap)] + \
+            [(*case, plain) for case in ablations] + [(*case, overlap) for case in ablations + variants]
+        for arch, layout, options, extra, env in cases:
+            where = f"{arch}/{layout} {options} {extra} overlap={env.overlap} dp={dp} tp={tp}"
             cfg = small_cfg(arch, **extra)
             torch.manual_seed(0)
             ref = Llama(cfg)
@@ -94,6 +96,30 @@ def _collectives_worker(rank, world):
     assert torch.equal(y, torch.arange(6.0) * 3)
     y.backward(torch.ones(6) * (rank + 5))
     assert torch.equal(x.grad, torch.ones(6) * (rank + 5) * (rank + 1))
+    # CopyUp (--overlap): Copy fused with the GEMMs reading its output; the same values, gradients and
+    # one backward all-reduce, with every W reading all of x or (sliced) its own slice of x
+    parallel.LEDGER.name(g, "tp")
+    for sliced in (False, True):
+        torch.manual_seed(1)
+        x, Ws = torch.randn(2, 3, 8), [torch.randn(n, 4 if sliced else 8) for n in (5, 6)]
+        dys = [torch.randn(2, 3, n) * (rank + 1) for n in (5, 6)]
+        results = []
+        for overlap in (False, True):
+            xo, Wo = x.clone().requires_grad_(), [W.clone().requires_grad_() for W in Ws]
+            parallel.LEDGER.reset()
+            ys = parallel.column_parallel(xo, Wo, parallel.TP(g, rank, world, overlap), sliced)
+            torch.autograd.backward(ys, dys)
+            results.append((ys, xo.grad, [W.grad for W in Wo], dict(parallel.LEDGER.counts)))
+        (ys, dx, dWs, counts), (ys_o, dx_o, dWs_o, counts_o) = results
+        torch.testing.assert_close(ys_o, ys)
+        torch.testing.assert_close(dx_o, dx)
+        torch.testing.assert_close(dWs_o, dWs)
+        assert counts_o == counts == {("all_reduce", "tp", "bwd"): [x.numel(), 4 * x.numel(), 1]}
+        xs = x.split(4, -1) if sliced else [x, x]
+        torch.testing.assert_close(ys[1], xs[1] @ Ws[1].t())
+        mine = [dy @ W for dy, W in zip(dys, Ws)]
+        mine = torch.cat(mine, -1) if sliced else sum(mine)
+        torch.testing.assert_close(dx, mine / (rank + 1) * 3)  # summed over the ranks: factors 1 + 2
     # Gather: all-gather forward, own slice backward
     x = torch.full((2, 3), float(rank + 1), requires_grad=True)
     y = parallel.Gather.apply(x, g)
@@ -157,13 +183,14 @@ def test_ledger_volumes_equal_formulas(tmp_path):
         assert tuple(r["per_layer"]) == tuple(r["expected"]), case
 
 
-@pytest.mark.parametrize("arch, layout, nproc, dp, recompute, dtype", [
-    ("cola", "btp", 2, 1, "none", "float32"), ("svd", "vanilla", 2, 1, "none", "float32"),
-    ("full", "megatron", 2, 1, "layer", "float32"), ("cola", "btp", 4, 2, "lowrank", "float32"),
-    ("cola", "btp", 2, 1, "none", "bfloat16")])
-def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, nproc, dp, recompute, dtype):
+@pytest.mark.parametrize("arch, layout, nproc, dp, recompute, dtype, overlap", [
+    ("cola", "btp", 2, 1, "none", "float32", "true"), ("cola", "btp", 2, 1, "none", "float32", "false"),
+    ("svd", "vanilla", 2, 1, "none", "float32", "false"), ("full", "megatron", 2, 1, "layer", "float32", "true"),
+    ("cola", "btp", 4, 2, "lowrank", "float32", "true"), ("cola", "btp", 2, 1, "none", "bfloat16", "true")])
+def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, nproc, dp, recompute, dtype, overlap):
     common = [f"--data_dir={data_dir}", *TINY, "--max_iters=5", "--eval_interval=100", f"--arch={arch}",
-              "--gradient_accumulation_steps=2", "--batch_size=2", f"--recompute={recompute}", f"--dtype={dtype}"]
+              "--gradient_accumulation_steps=2", "--batch_size=2", f"--recompute={recompute}", f"--dtype={dtype}",
+              f"--overlap={overlap}"]
     single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
     torchrun(nproc, f"--out_dir={tmp_path / 'tp'}", *common, "--tp=2", f"--tp_mode={layout}", f"--dp={dp}")
     records = metrics(tmp_path / "tp")
@@ -257,11 +284,12 @@ def test_recompute_flops_lowrank_below_layer():
 
 
 def _recompute_worker(rank, world):
-    env = parallel.TP(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
-    for layout, size in (("btp", dict(n_embd=64, attn_rank=16, mlp_rank=24)),
-                         ("btp", dict(n_embd=128, attn_rank=32, mlp_rank=32)),
-                         ("vanilla", dict(n_embd=64, attn_rank=16, mlp_rank=24))):
+    for layout, size, overlap in (("btp", dict(n_embd=64, attn_rank=16, mlp_rank=24), False),
+                                  ("btp", dict(n_embd=64, attn_rank=16, mlp_rank=24), True),
+                                  ("btp", dict(n_embd=128, attn_rank=32, mlp_rank=32), True),
+                                  ("vanilla", dict(n_embd=64, attn_rank=16, mlp_rank=24), True)):
+        env = parallel.TP(dist.group.WORLD, rank, world, overlap)
         cfg_of = lambda n: Config(**{**dict(n_head=8, n_kv_head=4, block_size=16, vocab_size=128), **size,
                                      "arch": "cola", "n_layer": n})
         def make_model(n_layer):
@@ -321,7 +349,7 @@ def test_bench_runs_end_to_end(tmp_path):
 def _pipeline_worker(rank, world, meshes):
     for dp, pp, tp in meshes:
         mesh = parallel.init_mesh(dp, tp, "cpu", 120, pp)
-        env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
+        env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
         dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
         for arch, layout, schedule, tied in (("cola", "btp", "1f1b", False), ("full", "megatron", "gpipe", False),
                                              ("cola", "btp", "1f1b", True)):

@@ -126,7 +126,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
             torch.cuda.set_device(device)
         mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
         dp_rank, dp_group, pp_rank = mesh.get_local_rank("dp"), mesh.get_group("dp"), mesh.get_local_rank("pp")
-        tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp)
+        tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
         ckpt_mesh = mesh["dp", "tp"]  # a stage's tensors are sharded over its own (dp, tp) ranks
     micro_steps = tc.gradient_accumulation_steps // dp
     dtype = tc.dtype if tc.dtype != "auto" else \
