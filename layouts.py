@@ -18,12 +18,14 @@ width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
 Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
 `Spec` of each parameter) and is tested against it: same loss, same gradients.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 import kernels
 from checkpointing import forward_chunks, run_layers
@@ -55,6 +57,18 @@ def check_divisible(cfg, tp, layout, pp=1):
     if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
         raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the tokenizer's, "
                          "padded to a multiple of 64): use a tp that divides 64")
+
+
+def traced(chunk):
+    """A chunk as one labelled range in profiler traces (--profile), `btp.attn_chunk`; when no
+    profiler runs it costs one check."""
+    @functools.wraps(chunk)
+    def run(block, *args):
+        if not torch.autograd._profiler_enabled():
+            return chunk(block, *args)
+        with record_function(f"{block.label}: {chunk.__name__}"):
+            return chunk(block, *args)
+    return run
 
 
 @dataclass
@@ -144,9 +158,11 @@ class BTPBlock(Sharded):
         (Copy first: backward all-reduces dz; overlapped with the dB GEMMs under --overlap)."""
         return column_parallel(z, Bs, self.tp, sliced=True)
 
+    @traced
     def qkv_down(self, x):
         return self.norm_down(x, self.attn_norm, self.A_qkv, self.cfg.attn_rank)  # (b, s, 3r+1) partial
 
+    @traced
     def attn_chunk(self, HS, cos, sin):
         cfg, t = self.cfg, self.tp.size
         z = self.latent(HS)                                                      # (b, s, 3r)
@@ -154,16 +170,19 @@ class BTPBlock(Sharded):
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         return y @ self.A_o.t()                                                  # (b, s, r) partial
 
+    @traced
     def o_chunk(self, u, x):
         x = x + self.up(self.act(u), [self.B_o])[0]                              # (b, s, d/t)
         return x, self.norm_down(x, self.mlp_norm, self.A_gu, self.cfg.mlp_rank)  # (b, s, 2r+1) partial
 
+    @traced
     def mlp_chunk(self, HS):
         z = self.latent(HS)                                                      # (b, s, 2r)
         gate, up = self.up(z, [self.B_gate, self.B_up])
         h = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
         return h @ self.A_down.t()                                               # (b, s, r) partial
 
+    @traced
     def down_chunk(self, u, x):
         return x + self.up(self.act(u), [self.B_down])[0]                        # (b, s, d/t)
 
@@ -197,10 +216,12 @@ class VanillaBlock(Sharded):
         """σ, row-parallel B, all-reduce of the full d_out."""
         return Reduce.apply(self.act(z) @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
 
+    @traced
     def qkv_down(self, x):
         h = kernels.rms_norm(x, self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
         return self.down(h, "attn_q", "attn_k", "attn_v")                         # (b, s, 3r/t)
 
+    @traced
     def attn_chunk(self, z, cos, sin):
         cfg = self.cfg
         zq, zk, zv = z.split(cfg.attn_rank // self.tp.size, -1)
@@ -208,16 +229,19 @@ class VanillaBlock(Sharded):
                              cfg.n_head, cfg.n_kv_head, cos, sin)                 # all heads, (b, s, d)
         return self.down(y, "attn_o")                                             # (b, s, r/t)
 
+    @traced
     def o_chunk(self, u, x):
         x = x + self.up(u, "attn_o")                                              # (b, s, d)
         h = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
         return x, self.down(h, "mlp_gate", "mlp_up")                              # (b, s, 2r/t)
 
+    @traced
     def mlp_chunk(self, z):
         zg, zu = z.split(self.cfg.mlp_rank // self.tp.size, -1)
         a = gated_product(self.cfg.mlp_gate, self.up(zg, "mlp_gate"), self.up(zu, "mlp_up"))  # (b, s, f)
         return self.down(a, "mlp_down")                                           # (b, s, r/t)
 
+    @traced
     def down_chunk(self, u, x):
         return x + self.up(u, "mlp_down")                                         # (b, s, d)
 
@@ -239,6 +263,7 @@ class MegatronBlock(Sharded):
         self.shard("W_up", [p + "mlp.up.weight"], 0)
         self.shard("W_down", [p + "mlp.down.weight"], 1)            # (d, f/t)
 
+    @traced
     def forward(self, x, cos, sin):
         cfg, t, g = self.cfg, self.tp.size, self.tp.group
         h = kernels.rms_norm(x, self.attn_norm, cfg.norm_eps)                         # (b, s, d)
@@ -278,6 +303,8 @@ class TPLlama(Sharded):
             self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
         self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.", **btp_options)
                                     for i in range(stage * per_stage, (stage + 1) * per_stage))
+        for i, layer in enumerate(self.layers, stage * per_stage):
+            layer.label = f"{layout} layer {i}"  # in profiler traces
         if self.last:
             self.shard("norm", ["norm.weight"], None)
             if not self.tied:

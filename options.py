@@ -34,6 +34,8 @@ class TrainConfig:
     overwrite: bool = False        # with scratch: discard the out_dir's earlier run (its checkpoints and metrics)
     keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
     inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
+    explain: bool = False          # run one recorded step, print what every rank computes and sends, exit (explain.py)
+    profile: str = ""              # W:A: after W steps, trace A steps to <out_dir>/trace/rank<N>.json (torch.profiler)
     # data
     dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded), or text / JSON Lines / .gz files or a folder
     tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
@@ -191,6 +193,15 @@ def check_values(tc):
         raise ValueError(f"lr_decay_iters={tc.lr_decay_iters} ends before warmup_iters={tc.warmup_iters}")
     if tc.inject_fault and (tc.inject_fault.split(":")[0] not in FAULTS or not tc.inject_fault.split(":")[-1].isdigit()):
         raise ValueError(f"inject_fault={tc.inject_fault} is not kill:N, nan:N or kill_in_save:N")
+    if tc.profile:
+        wait, _, active = tc.profile.partition(":")
+        if not (wait.isdigit() and active.isdigit() and int(active) > 0):
+            raise ValueError(f"profile={tc.profile} is not W:A (wait W steps, then record A > 0 steps), e.g. 2:3")
+        if int(wait) + int(active) > tc.max_iters:
+            raise ValueError(f"profile={tc.profile} records iterations {wait}..{int(wait) + int(active) - 1}, "
+                             f"past max_iters={tc.max_iters}")
+        if tc.explain:
+            raise ValueError("explain=true runs one step and exits: there is nothing for profile to trace")
     if tc.overwrite and tc.init_from != "scratch":
         raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} continues it: choose one")
     data.check_prepare_options(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)

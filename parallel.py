@@ -29,12 +29,16 @@ class Ledger:
 
     def __init__(self):
         self.names, self.counts = {}, defaultdict(lambda: [0, 0, 0])
+        self.listener = None  # explain.py's: called with (op, group name, phase, tensor) in order
 
     def name(self, group, name):
         self.names[id(group)] = name
 
     def record(self, op, group, tensor, phase):
-        entry = self.counts[(op, self.names.get(id(group), "?"), phase)]
+        name = self.names.get(id(group), "?")
+        if self.listener:
+            self.listener(op, name, phase, tensor)
+        entry = self.counts[(op, name, phase)]
         entry[0] += tensor.numel()
         entry[1] += tensor.numel() * tensor.element_size()
         entry[2] += 1

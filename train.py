@@ -86,6 +86,11 @@ def main(argv):
         checkpointing.check_recompute(cfg, tc.recompute)
         device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         kernels.select(tc.kernels, device)
+        if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
+            import explain
+            explain.main(cfg, tc, world, dp, layout, device)
+            finish(world)
+            return
         if master:
             held = rundir.lock(tc.out_dir)   # a second run into this out_dir stops here
         found = train_state.candidates(tc.out_dir, tc.init_from)
@@ -225,6 +230,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
 
     # -------------------------------------------------------------- the loop
     start_iter, last_ckpt, best_val = iter_num, resume_from, None
+    profiler = rundir.profiler(tc.profile, tc.out_dir, dist.get_rank() if world > 1 else 0, log)
     interrupt.armed = True
     t_start = t0 = time.time()
     while True:
@@ -271,6 +277,8 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
                  f"optimizer step. The last good checkpoint ({last_ckpt or 'none'}) is untouched")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if profiler:
+            profiler.step()
 
         t1 = time.time()
         dt, t0 = t1 - t0, t1
@@ -294,6 +302,8 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
         signum = interrupt.agreed(device)
         if signum:  # every rank finished this step: save it, say how to go on, stop
             interrupt.settle()
+            if profiler:
+                profiler.stop()
             path = save_checkpoint()
             log(f"interrupted at iteration {iter_num}; saved {path}; continue with --init_from=resume")
             metrics.event("interrupted", iter=iter_num, signal=signum, checkpoint=path)
@@ -302,6 +312,8 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
             return signum
 
     interrupt.settle()
+    if profiler:
+        profiler.stop()
     summary = (f"{tc.max_iters - start_iter} iterations ({start_iter}..{tc.max_iters}), "
                f"{(tc.max_iters - start_iter) * tokens_per_iter:,} tokens in {rundir.duration(time.time() - t_start)}")
     log(f"done: {summary}; best val loss {best_val:.4f}; last checkpoint {last_ckpt or 'none'}"

@@ -1,0 +1,127 @@
+"""test_explain.py: `--explain` (explain.py) and `--profile` (rundir.profiler): what they print and
+write is what a real step does: the collectives of a training step's ledger and of the formulas in
+layouts.py's docstring (bench.per_layer_volume), the saved bytes of the tests' meter.
+"""
+import json
+import re
+
+import pytest
+import torch
+
+import options
+from bench import per_layer_volume
+from checkpointing import SavedBytes
+from conftest import TINY, expect_error, metrics, torchrun
+from model import Llama
+
+CASES = [("cola", "btp"), ("svd", "vanilla"), ("full", "megatron")]
+
+
+def parse(out):
+    """(tokens per rank, {(group, op, phase): (calls, elements)}, saved bytes, per-section collectives,
+    {layout: (fwd, bwd) elements per token per layer} of the side-by-side table)."""
+    b, s = map(int, re.search(r"b=(\d+) sequences of s=(\d+) tokens", out).groups())
+    rank0 = out.split("this step's totals, rank 0:")[1]
+    totals = {(g, op, ph): (int(c), int(e.replace(",", ""))) for g, op, ph, c, e in
+              re.findall(r"^  (\w+) +(\w+) (\w+): (\d+) calls, ([\d,]+) elements", rank0, re.M)}
+    saved = int(re.search(r"saved for backward: ([\d,]+) bytes", rank0).group(1).replace(",", ""))
+    sections, current = {}, None
+    for line in out.split("rank 0 (")[1].split("\nrank ")[0].split("this step's totals")[0].splitlines():
+        if re.match(r"^  \S", line):
+            current = line.strip()
+            sections.setdefault(current, [])
+        elif current and re.match(r"^    all_reduce +tp:", line):
+            sections[current].append(int(re.search(r"= ([\d,]+) elements", line).group(1).replace(",", "")))
+    table = {m[0]: (float(m[2].replace(",", "")), float(m[3].replace(",", "")))
+             for m in re.findall(r"^  (btp|vanilla|megatron) +(\w+) +([\d,.]+) +([\d,.]+)", out, re.M)}
+    return b * s, totals, saved, sections, table
+
+
+def explain(nproc, tmp_path, *args):
+    res = torchrun(nproc, f"--out_dir={tmp_path / 'out'}", *TINY, "--explain=true", *args)
+    assert not (tmp_path / "out").exists(), "explain writes nothing"
+    return res.stdout
+
+
+@pytest.mark.parametrize("recompute", ["none", "lowrank"])
+def test_explain_one_device(tmp_path, recompute):
+    out = explain(1, tmp_path, f"--recompute={recompute}")
+    tokens, totals, saved, sections, _ = parse(out)
+    assert totals == {} and "no collectives" in out
+    assert "fwd · layer 0" in out and "bwd · layer 1" in out and "attention" in out and "GEMM" in out
+    assert "fwd · layers 0..1: the same" in out
+    assert ("recompute · layer" in out) == (recompute == "lowrank")
+    cfg, _ = options.parse_args([*TINY, f"--recompute={recompute}"])
+    cfg.vocab_size = options.vocab_size("bytes")
+    torch.manual_seed(0)
+    import checkpointing
+    model = Llama(cfg, recompute=recompute, layer_runner=checkpointing.run_layers)
+    x = torch.randint(0, cfg.vocab_size, (2, tokens // 2))
+    with SavedBytes(model) as meter:
+        model(x, x)[1].backward()
+    assert saved == meter.bytes
+
+
+@pytest.mark.parametrize("arch, layout", CASES)
+def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch, layout):
+    out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--tp_mode={layout}")
+    tokens, totals, saved, sections, table = parse(out)
+    cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
+    fwd, bwd = per_layer_volume(layout, cfg)
+    # the first layer of each direction is printed in full (backward starts at the last layer)
+    assert sum(sections["fwd · layer 0"]) == fwd * tokens and sum(sections["bwd · layer 1"]) == bwd * tokens
+    assert table[layout] == (fwd, bwd)    # the side-by-side table: every layout against its formula
+    for other in ("btp", "vanilla", "megatron"):
+        other_cfg, _ = options.parse_args([*TINY, f"--arch={'full' if other == 'megatron' else arch if arch != 'full' else 'cola'}"])
+        assert table[other] == per_layer_volume(other, other_cfg), (other, table)
+    assert "rank 1 (dp 0, pp 0, tp 1): the same ops" in out
+    # a real training step: the same TP bytes per token on rank 0
+    torchrun(2, f"--out_dir={tmp_path / 'train'}", f"--data_dir={data_dir}", *TINY, f"--arch={arch}", "--tp=2",
+             f"--tp_mode={layout}", "--max_iters=1", "--eval_interval=100")
+    step = metrics(tmp_path / "train")[0]
+    explained = sum(e for (g, _, _), (_, e) in totals.items() if g == "tp") * 4   # fp32
+    assert explained / tokens == step["tp_bytes"] / (4 * 32), (explained, step["tp_bytes"])
+
+
+@pytest.mark.parametrize("arch, layout", CASES)
+def test_explain_pp2_tp2(tmp_path, arch, layout):
+    out = explain(4, tmp_path, f"--arch={arch}", "--tp=2", f"--tp_mode={layout}", "--pp=2",
+                  "--gradient_accumulation_steps=2")
+    tokens, totals, saved, sections, table = parse(out)
+    cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
+    fwd, bwd = per_layer_volume(layout, cfg)
+    # rank 0 is stage 0: the embedding and layer 0 of 2; its TP traffic is that one layer's
+    assert totals[("tp", "all_reduce", "fwd")][1] == fwd * tokens
+    assert totals[("tp", "all_reduce", "bwd")][1] == bwd * tokens
+    d_local = cfg.n_embd // 2 if layout == "btp" else cfg.n_embd
+    assert totals[("pp", "send", "fwd")] == (1, tokens * d_local)   # the residual stream to stage 1
+    assert "rank 2 (dp 0, pp 1, tp 0), where it differs from rank 0:" in out and "bwd · head" in out
+
+
+def test_explain_with_dp_counts_the_gradient_all_reduce(tmp_path):
+    out = explain(2, tmp_path, "--gradient_accumulation_steps=2")
+    _, totals, _, _, _ = parse(out)
+    cfg, _ = options.parse_args(TINY)
+    cfg.vocab_size = options.vocab_size("bytes")
+    assert totals[("dp", "all_reduce", "grad")][1] == Llama(cfg).num_params()
+
+
+def test_profile_writes_a_trace_per_rank(tmp_path, data_dir):
+    res = torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--tp=2", "--max_iters=4",
+                   "--eval_interval=100", "--profile=1:2")
+    assert "profile: wrote" in res.stdout and "ui.perfetto.dev" in res.stdout
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any(n.startswith("all_reduce tp fwd ") for n in names), sorted(names)[:50]
+        assert any(n.startswith("wait all_reduce tp bwd ") for n in names)       # --overlap's async waits
+        assert any(n.startswith("btp layer 0: attn_chunk") for n in names)
+        assert any("Optimizer.step" in n for n in names)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--profile=3"], "is not W:A"), (["--profile=a:b"], "is not W:A"), (["--profile=1:0"], "is not W:A"),
+    (["--profile=5:5", "--max_iters=8"], "past max_iters=8"),
+    (["--profile=1:1", "--explain=true"], "nothing for profile to trace"), (["--explain=maybe"], "true or false")])
+def test_bad_explain_and_profile(capsys, tmp_path, argv, fragment):
+    expect_error(capsys, [f"--out_dir={tmp_path}", *TINY, *argv], fragment)
