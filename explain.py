@@ -278,7 +278,7 @@ def totals(counts, saved, flops, tokens, names):
     for section, items in saved.by_section.items():
         if section.startswith("layer "):
             shapes = ", ".join(sorted({names.shape(s) for s, _ in items}))
-            lines.append(f"    {section} keeps {sum(n for _, n in items) / tokens:,.0f} bytes per token: {shapes}")
+            lines.append(f"    what {section} keeps (one layer's bytes: the table below): {shapes}")
             break
     return lines
 
