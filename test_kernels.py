@@ -2,12 +2,15 @@
 CPU (kernels.py turns it on where there is no CUDA): fp32, fp16 and bf16, ragged shapes.
 """
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import kernels
-from conftest import TINY, losses, torchrun
+from conftest import ROOT, TINY, losses, torchrun
 
 
 # bf16 keeps 8 bits of mantissa: compared in fp32 against the fp32 reference of the same inputs
@@ -88,3 +91,29 @@ def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir):
         runs[backend] = losses([json.loads(x) for x in open(tmp_path / backend / "metrics.jsonl")])
     assert len(runs["torch"]) == 3
     torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["torch"]), rtol=1e-5, atol=1e-5)
+
+
+def _nvidia_backend():
+    import triton
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="this Triton install has no NVIDIA backend (no ptxas to compile with)")
+def test_kernels_compile_for_a100_and_h100_without_spills():
+    """Every kernel with every tile configuration of triton_kernels.GEMM_CONFIGS, for sm_80 (A100) and
+    sm_90 (H100/H200), bf16 and fp32, compiled to PTX and cubin here (gpu_compile.py): bf16 GEMMs use
+    the tensor cores (mma.sync on sm_80, wgmma on sm_90) and no kernel spills registers."""
+    import triton_kernels as tk
+    res = subprocess.run([sys.executable, str(ROOT / "gpu_compile.py"), "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    for sm in (80, 90):
+        for dtype, bits in (("bf16", 16), ("fp32", 32)):
+            mine = [r for r in rows if r["sm"] == sm and r["dtype"] == dtype]
+            configs = len(tk.GEMM_CONFIGS[(sm, bits)])   # norm_down fwd and dx, grouped in its 3 calls, 2 RMSNorm
+            assert len(mine) == configs * 5 + 2, (sm, dtype, len(mine))
+            for r in mine:
+                assert r["spill_bytes"] == 0, r
+                if r["gemm"] and dtype == "bf16":
+                    assert (r["wgmma"] if sm == 90 else r["mma"]), r

@@ -1,0 +1,222 @@
+"""triton_kernels.py: the Triton kernels behind kernels.py, their tile configurations per GPU, and
+their launches.
+
+BOOST (arXiv 2512.12131) sections 3-4; what each kernel computes is kernels.py's docstring. The
+GEMM-shaped kernels (the fused online-RMSNorm + down-projection, its input gradient, the grouped
+GEMM) are `triton.autotune`d on CUDA over a short list of tile configurations for the GPU's
+architecture (A100, sm_80: BK 32, cp.async pipelines of 3-4 stages; H100/H200, sm_90: BK 64 for
+wgmma), keyed on the shapes, as in Triton's matmul tutorials and Liger-Kernel. Under Triton's CPU
+interpreter (TRITON_INTERPRET=1, set here when there is no CUDA) there is one small configuration,
+and bf16 tiles are upcast since the interpreter's bf16 dots are wrong. test_kernels.py compiles every
+configuration for sm_80 and sm_90 without a GPU (gpu_compile.py) and checks tensor-core
+instructions and that nothing spills.
+"""
+import functools
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402  (after TRITON_INTERPRET: it decides what triton.jit builds)
+import triton.language as tl  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# (block rows, block columns, block K, num_warps, num_stages) of the GEMM-shaped kernels, per GPU
+# architecture and input width: bf16/fp16 tiles feed the tensor cores (mma on sm_80, wgmma on sm_90);
+# fp32 inputs take exact IEEE dots on the FMA units and get smaller tiles. Every entry compiles
+# without register spills for every kernel (gpu_compile.py; BK 64 spilled on sm_90 in the grouped GEMM)
+GEMM_CONFIGS = {
+    (80, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
+    (90, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 3)],
+    (80, 32): [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 2)],
+    (90, 32): [(64, 64, 32, 4, 2), (64, 32, 32, 4, 2), (32, 64, 32, 4, 2), (64, 64, 16, 4, 2)],
+}
+INTERPRETER_CONFIG = (32, 32, 32, 1, 1)
+ROWS_CONFIG = {"ROWS": 16, "num_warps": 4}   # RMSNorm: rows per program (4 under the interpreter)
+
+
+def arch():
+    """The architecture whose list GEMM_CONFIGS gives here: 90 from Hopper on, else 80."""
+    if INTERPRET or not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability()
+    return 90 if major >= 9 else 80
+
+
+def gemm_configs(names, bits, arch_=None):
+    """triton.Configs over the block names, e.g. ("BM", "BN", "BK"), for inputs of `bits` (16 or 32)
+    on this machine (or on `arch_`)."""
+    arch_ = arch_ if arch_ is not None else arch()
+    rows = [INTERPRETER_CONFIG] if arch_ is None else GEMM_CONFIGS[(arch_, bits)]
+    return [triton.Config(dict(zip(names, r[:3])), num_warps=r[3], num_stages=r[4]) for r in rows]
+
+
+def _flags(t):
+    """(UPCAST, IEEE): upcast tiles under the interpreter; exact fp32 dots for fp32 inputs."""
+    return INTERPRET, t.dtype == torch.float32
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+@triton.jit
+def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """H tile (BM, BN) = (x⊙γ)·Aᵀ; the programs of the first N tile also store S = Σ x²."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        g = tl.load(g_ptr + rk, mask=rk < K, other=0.0)
+        a = tl.load(a_ptr + rn[:, None] * s_an + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        xg = (xf * g.to(tl.float32)[None, :]).to(a.dtype)
+        acc += _dot(xg, tl.trans(a), UPCAST, IEEE)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(h_ptr + rm[:, None] * s_hm + rn[None, :], acc.to(h_ptr.dtype.element_ty), mask=mask)
+    if pid_n == 0:
+        tl.store(s_ptr + rm, ss, mask=rm < M)
+
+@triton.jit
+def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, s_dhm, s_an, s_xm,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dx tile (BM, BK) = (dH·A)⊙γ + 2·x·dS, and this row block's partial dγ = Σ_m (dH·A)⊙x."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = pid_k * BK + tl.arange(0, BK)
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        rn = n0 + tl.arange(0, BN)
+        dh = tl.load(dh_ptr + rm[:, None] * s_dhm + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
+        a = tl.load(a_ptr + rn[:, None] * s_an + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        acc += _dot(dh, a, UPCAST, IEEE)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+    ds = tl.load(ds_ptr + rm, mask=rm < M, other=0.0)
+    dx = acc * g[None, :] + 2.0 * x * ds[:, None]
+    tl.store(dx_ptr + rm[:, None] * s_xm + rk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + pid_m * K + rk, tl.sum(acc * x, axis=0), mask=rk < K)
+
+@triton.jit
+def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq, P_KEY, Q_KEY, K_KEY,
+                G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K and
+    the row and column offsets of A_g, B_g, C_g inside A, B, C; the programs take the groups' tiles
+    in order, each finding its group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest group's
+    sizes) are only the autotuner's key."""
+    t = tl.program_id(0)
+    g = 0
+    first = 0
+    start = 0
+    for i in tl.static_range(G):
+        tiles = tl.cdiv(tl.load(meta_ptr + 9 * i), BP) * tl.cdiv(tl.load(meta_ptr + 9 * i + 1), BQ)
+        inside = (t >= start) & (t < start + tiles)
+        g = tl.where(inside, i, g)
+        first = tl.where(inside, start, first)
+        start += tiles
+    m = meta_ptr + 9 * g
+    P, Q, K = tl.load(m), tl.load(m + 1), tl.load(m + 2)
+    q_tiles = tl.cdiv(Q, BQ)
+    rp = ((t - first) // q_tiles) * BP + tl.arange(0, BP)
+    rq = ((t - first) % q_tiles) * BQ + tl.arange(0, BQ)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + (tl.load(m + 3) + rp)[:, None] * s_ap + (tl.load(m + 4) + rk)[None, :] * s_ak
+    b_ptrs = b_ptr + (tl.load(m + 5) + rk)[:, None] * s_bk + (tl.load(m + 6) + rq)[None, :] * s_bq
+    acc = tl.zeros((BP, BQ), dtype=tl.float32)
+    for k0 in range(0, K, BK):   # the pointers advance by BK along K, as in Triton's matmul tutorial
+        a = tl.load(a_ptrs, mask=(rp[:, None] < P) & (k0 + rk[None, :] < K), other=0.0)
+        b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rq[None, :] < Q), other=0.0)
+        acc += _dot(a, b, UPCAST, IEEE)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    tl.store(c_ptr + (tl.load(m + 7) + rp)[:, None] * s_cp + (tl.load(m + 8) + rq)[None, :] * s_cq,
+             acc.to(c_ptr.dtype.element_ty), mask=(rp[:, None] < P) & (rq[None, :] < Q))
+
+
+@triton.jit
+def _rms_fwd(x_ptr, g_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    for row in range(pid * ROWS, pid * ROWS + ROWS):
+        if row < M:
+            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+            tl.store(y_ptr + row * N + cols, (x * rstd * g).to(y_ptr.dtype.element_ty), mask=cols < N)
+            tl.store(rstd_ptr + row, rstd)
+
+@triton.jit
+def _rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)); this program's partial dγ = Σ_rows dy⊙x̂."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dg = tl.zeros((BLOCK,), dtype=tl.float32)
+    for row in range(pid * ROWS, pid * ROWS + ROWS):
+        if row < M:
+            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            xhat = x * rstd
+            wdy = dy * g
+            c = tl.sum(xhat * wdy, axis=0) / N
+            tl.store(dx_ptr + row * N + cols, ((wdy - xhat * c) * rstd).to(dx_ptr.dtype.element_ty), mask=cols < N)
+            dg += dy * xhat
+    tl.store(dg_ptr + pid * N + cols, dg, mask=cols < N)
+
+
+# ------------------------------------------------------------------------- autotuned launches
+
+def _tuned(fn, names, key, **options):
+    """fn autotuned over its configurations, one tuner per input width: {16: ..., 32: ...}."""
+    return {bits: triton.autotune(gemm_configs(names, bits), key=key, **options)(fn) for bits in (16, 32)}
+
+
+norm_down_fwd = _tuned(_norm_down_fwd, ("BM", "BN", "BK"), ["M", "N", "K"])
+norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M", "N", "K"], reset_to_zero=["dg_ptr"])  # unused rows stay 0
+grouped = _tuned(_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "G"])
+MIN_BM = min(c.kwargs["BM"] for bits in (16, 32) for c in gemm_configs(("BM", "BN", "BK"), bits))
+
+
+def bits(t):
+    return 32 if t.dtype == torch.float32 else 16
+
+
+@functools.lru_cache(maxsize=64)
+def _meta(groups, device):
+    """The groups' metadata as a device tensor; cached, since the same shapes come back every step."""
+    return torch.tensor(groups, dtype=torch.int32, device=device)  # int32: 32-bit index arithmetic
+
+
+def grouped_mm(A, B, C, groups):
+    """Launch _grouped_mm: groups is a list of (P, Q, K, a_row, a_col, b_row, b_col, c_row, c_col);
+    A, B, C are given as (tensor, stride along P/K, stride along K/Q) views via their strides."""
+    (a, s_ap, s_ak), (b, s_bk, s_bq), (c, s_cp, s_cq) = A, B, C
+    groups = tuple(map(tuple, groups))
+    up, ieee = _flags(a)
+    grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"]) for g in groups),)
+    grouped[bits(a)][grid](a, b, c, _meta(groups, c.device), s_ap, s_ak, s_bk, s_bq, s_cp, s_cq,
+                  max(g[0] for g in groups), max(g[1] for g in groups), max(g[2] for g in groups),
+                  G=len(groups), UPCAST=up, IEEE=ieee)
+    return c
+
+
+def rows():
+    return 4 if INTERPRET else ROWS_CONFIG["ROWS"]
