@@ -64,7 +64,7 @@ def traced(chunk):
     profiler runs it costs one check."""
     @functools.wraps(chunk)
     def run(block, *args):
-        if not torch.autograd._profiler_enabled():
+        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no graph break)
             return chunk(block, *args)
         with record_function(f"{block.label}: {chunk.__name__}"):
             return chunk(block, *args)

@@ -212,7 +212,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         picked = all_reduce(shifted[rows, local_t].masked_fill(outside, 0.0), group, "fwd")
         exp = shifted.exp()
         sum_exp = all_reduce(exp.sum(dim=-1), group, "fwd")                            # (N,)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_t)
+        softmax = exp / sum_exp.unsqueeze(-1)   # not in place: torch.compile refuses a saved alias
+        ctx.save_for_backward(softmax, outside, local_t)
         return sum_exp.log() - picked
 
     @staticmethod
