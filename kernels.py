@@ -46,6 +46,11 @@ def select(mode, device):
     return _backend
 
 
+def backend():
+    """The implementation select() chose: "torch" or "triton"."""
+    return _backend
+
+
 # ------------------------------------------------------------------------- PyTorch references
 
 def norm_down_ref(x, gamma, A):

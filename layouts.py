@@ -368,7 +368,7 @@ class TPLlama(Sharded):
         out = {}
         for name, spec in self.named_specs():
             local_t = local[name]
-            if spec.dim is None:
+            if spec.dim is None or self.tp.size == 1:
                 shards = [local_t] * self.tp.size
             else:
                 shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
@@ -392,5 +392,6 @@ class TPLlama(Sharded):
                 replicated = replicated + sq
             else:
                 sharded = sharded + sq
-        dist.all_reduce(sharded, group=self.tp.group)
+        if self.tp.size > 1:
+            dist.all_reduce(sharded, group=self.tp.group)
         return sharded + replicated

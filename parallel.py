@@ -60,11 +60,21 @@ LEDGER = Ledger()
 NO_COMM = False
 
 
+def group_size(group):
+    """A group's size; None stands for a group of one without any process group (layouts.TPLlama as
+    the single-device model that runs the Triton kernels: train.py at tp=1)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group):
+    return 0 if group is None else dist.get_rank(group)
+
+
 def all_reduce(x, group, phase, op=dist.ReduceOp.SUM, async_op=False):
     """Sum (or `op`) x over the group, in place when x is contiguous. With async_op the result is
     (x, work): the sum lands in x after work.wait(), and the caller computes in the meantime.
     Profiler traces (--profile) show it as `all_reduce <group> <phase> <elements>`."""
-    if dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return (x, _Pending(None, "")) if async_op else x  # a TP "group" of one (pipelining without TP)
     x = x.contiguous()
     LEDGER.record("all_reduce", group, x, phase)
@@ -88,7 +98,7 @@ class _Pending:
 
 def all_gather_last(x, group, phase):
     """The tensors of the group's ranks concatenated along the last dim (no autograd)."""
-    if dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         # not even a local gloo all_gather: its copies start a second OpenMP team on gloo's thread,
         # and with more OpenMP threads than cores every later op of this process runs up to 3x slower
         return x
@@ -119,7 +129,7 @@ class Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if dist.get_world_size(ctx.group) == 1:
+        if group_size(ctx.group) == 1:
             return grad, None
         return all_reduce(grad.clone(), ctx.group, "bwd"), None  # (the incoming grad may be shared)
 
@@ -189,7 +199,7 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        i = dist.get_rank(ctx.group)
+        i = group_rank(ctx.group)
         return grad[..., i * ctx.width:(i + 1) * ctx.width].contiguous(), None
 
 
@@ -203,7 +213,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group):
         logits = logits.float()
         v_local = logits.shape[-1]
-        start = dist.get_rank(group) * v_local
+        start = group_rank(group) * v_local
         m = all_reduce(logits.max(dim=-1).values, group, "fwd", op=dist.ReduceOp.MAX)  # (N,)
         shifted = logits - m.unsqueeze(-1)                                             # (N, V/t)
         outside = (target < start) | (target >= start + v_local)

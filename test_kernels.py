@@ -83,11 +83,16 @@ def test_rms_norm_kernel(dtype):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
 
 
-def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir):
-    common = [f"--data_dir={data_dir}", *TINY, "--max_iters=3", "--eval_interval=100", "--tp=2", "--batch_size=2"]
+@pytest.mark.parametrize("tp", [1, 2])
+def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir, tp):
+    """At tp=2 the BTP layout, at tp=1 the single-device model run as BTP with a TP group of one
+    (so one GPU gets the fused kernels too), against the PyTorch reference of each."""
+    common = [f"--data_dir={data_dir}", *TINY, "--max_iters=3", "--eval_interval=100", f"--tp={tp}", "--batch_size=2",
+              "--recompute=lowrank"]
     runs = {}
     for backend in ("torch", "triton"):
-        torchrun(2, f"--out_dir={tmp_path / backend}", *common, f"--kernels={backend}")
+        res = torchrun(tp, f"--out_dir={tmp_path / backend}", *common, f"--kernels={backend}")
+        assert ("kernels triton" in res.stdout) == (backend == "triton")
         runs[backend] = losses([json.loads(x) for x in open(tmp_path / backend / "metrics.jsonl")])
     assert len(runs["torch"]) == 3
     torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["torch"]), rtol=1e-5, atol=1e-5)
