@@ -8,6 +8,8 @@
     python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
     python bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
     python bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
+    python bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices, Triton vs PyTorch,
+                             # and a 1B-shaped training step per arch, compile off/on (bench_gpu.py)
 
 Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
 bench-results/, which git ignores). Each comparison is measured in one run, the configurations
@@ -312,8 +314,8 @@ def main(argv):
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return
-    if not argv or argv[0] not in ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint"):
-        sys.exit("error: name one of archs, traffic, layouts, comm, pp, model, data, checkpoint (python bench.py -h)")
+    if not argv or argv[0] not in ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu"):
+        sys.exit("error: name one of archs, traffic, layouts, comm, pp, model, data, checkpoint, gpu (python bench.py -h)")
     what, iters, tps, extra, json_dir = argv[0], 10, (1, 2, 4), [], ROOT / "bench-results"
     mb, keep = 1024, None
     try:
@@ -344,6 +346,14 @@ def main(argv):
         text, out = bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
     elif what == "checkpoint":
         text, out = bench_checkpoint(extra)
+    elif what == "gpu":
+        import torch
+        if not torch.cuda.is_available():
+            print("error: bench.py gpu needs a CUDA GPU (this machine has none)", file=sys.stderr)
+            sys.exit(2)
+        import bench_gpu
+        n_layer = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--n_layer=")), 8)
+        text, out = bench_gpu.run("cuda", n_layer)
     elif what == "data":
         import bench_data
         title, header, rows, note, out = bench_data.bench_data(mb, keep)
@@ -354,6 +364,8 @@ def main(argv):
     print(text)
     json_dir.mkdir(parents=True, exist_ok=True)
     (json_dir / f"bench-{what}.json").write_text(json.dumps(out, indent=1))
+    if what == "gpu":
+        (json_dir / "bench-gpu.md").write_text(text + "\n")
     print(f"\n(written to {json_dir / f'bench-{what}.json'})")
 
 

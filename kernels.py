@@ -34,7 +34,8 @@ _backend = "torch"
 
 
 def select(mode, device):
-    """Choose the implementation: auto = Triton on CUDA, the reference elsewhere."""
+    """Choose the implementation: triton or torch everywhere; auto = on CUDA, per op and shape, the
+    faster of the two as measured the first time the shape comes (`_which`); elsewhere the reference."""
     global _backend
     if mode not in BACKENDS:
         raise ValueError(f"kernels={mode} is not one of {', '.join(BACKENDS)}")
@@ -42,13 +43,53 @@ def select(mode, device):
         raise ValueError("kernels=triton but Triton is not installed")
     if mode == "triton" and not str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels=triton on a CPU needs TRITON_INTERPRET=1 set before start")
-    _backend = mode if mode != "auto" else ("triton" if triton and str(device).startswith("cuda") else "torch")
+    _backend = mode if mode != "auto" else ("auto" if triton and str(device).startswith("cuda") else "torch")
+    _choices.clear()
     return _backend
 
 
 def backend():
-    """The implementation select() chose: "torch" or "triton"."""
+    """The implementation select() chose: "torch", "triton" or "auto" (measured per op and shape)."""
     return _backend
+
+
+_choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
+
+
+def _which(op, key, fn, args):
+    """The implementation of `op` for this shape: the forced one, or under auto the faster of the two
+    for fn(*args) forward and backward, timed once (3 runs each after a warm-up), logged once."""
+    if _backend != "auto":
+        return _backend
+    if (op, key) not in _choices:
+        if torch.compiler.is_compiling():
+            return "torch"   # (timed in the eager warm-up steps, not while tracing)
+        times = {name: _time(fn, args, name) for name in ("triton", "torch")}
+        _choices[(op, key)] = min(times, key=times.get)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch {times['torch']:.3f} ms: "
+                  f"{_choices[(op, key)]}")
+    return _choices[(op, key)]
+
+
+def _time(fn, args, name, runs=3):
+    """ms of forward + backward of fn under implementation `name`, on copies of args."""
+    global _backend
+    import time
+    saved, _backend = _backend, name
+    try:
+        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
+        sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
+        for i in range(runs + 1):
+            if i == 1:
+                sync()
+                t0 = time.perf_counter()
+            outs = [o for o in fn(*leaves) if o.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        sync()
+        return (time.perf_counter() - t0) * 1000 / runs
+    finally:
+        _backend = saved
 
 
 # ------------------------------------------------------------------------- PyTorch references
@@ -79,15 +120,21 @@ def _autocast(*tensors):
 
 
 def norm_down(x, gamma, A):
-    if _backend == "torch":
+    if _which("norm_down", f"{x.numel() // x.shape[-1]}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down, (x, gamma, A)) \
+            == "torch":
         return norm_down_ref(x, gamma, A)
     x2, gamma, A = _autocast(x.reshape(-1, x.shape[-1]), gamma, A)
     H, S = NormDown.apply(x2, gamma, A)
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
 
+def _up_key(tokens, Bs):
+    return f"{tokens}x{len(Bs)}x{Bs[0].shape[1]} -> {'+'.join(str(B.shape[0]) for B in Bs)}"
+
+
 def grouped_up(z, Bs):
-    if _backend == "torch":
+    if _which("grouped_up", _up_key(z.numel() // z.shape[-1], Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
+              (z, *Bs)) == "torch":
         return grouped_up_ref(z, Bs)
     z2, W = _autocast(z.reshape(-1, z.shape[-1]), torch.cat(Bs))  # autograd of cat splits dW
     Y = GroupedUp.apply(z2, W, tuple(B.shape[0] for B in Bs))
@@ -97,7 +144,7 @@ def grouped_up(z, Bs):
 # grouped_up's backward in two halves, for parallel.CopyUp, which all-reduces dz while dB computes
 def grouped_up_dz(dys, Bs):
     """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r), dz_g = dy_g·B_g."""
-    if _backend == "torch":
+    if _choices.get(("grouped_up", _up_key(dys[0].numel() // dys[0].shape[-1], Bs)), _backend) == "torch":
         return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
     W = torch.cat(Bs).to(dY.dtype)
@@ -107,7 +154,7 @@ def grouped_up_dz(dys, Bs):
 def grouped_up_dB(dys, z, Bs):
     """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype."""
     zs = z.split(Bs[0].shape[1], -1)
-    if _backend == "torch":
+    if _choices.get(("grouped_up", _up_key(dys[0].numel() // dys[0].shape[-1], Bs)), _backend) == "torch":
         return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype)).to(B.dtype)
                 for dy, zg, B in zip(dys, zs, Bs)]
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
@@ -116,7 +163,8 @@ def grouped_up_dB(dys, z, Bs):
 
 
 def rms_norm(x, gamma, eps):
-    if _backend == "torch":
+    if _which("rms_norm", f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", lambda x, g: [rms_norm(x, g, eps)],
+              (x, gamma)) == "torch":
         return rms_norm_ref(x, gamma, eps)
     x2, gamma = _autocast(x.reshape(-1, x.shape[-1]), gamma)
     return RMSNormFn.apply(x2, gamma, eps).view(x.shape)

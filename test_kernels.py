@@ -3,6 +3,7 @@ CPU (kernels.py turns it on where there is no CUDA): fp32, fp16 and bf16, ragged
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -96,6 +97,51 @@ def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir, tp):
         runs[backend] = losses([json.loads(x) for x in open(tmp_path / backend / "metrics.jsonl")])
     assert len(runs["torch"]) == 3
     torch.testing.assert_close(torch.tensor(runs["triton"]), torch.tensor(runs["torch"]), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_times_each_op_once_and_keeps_the_faster(capsys):
+    """--kernels=auto (on CUDA; forced here on the CPU, where Triton is interpreted): each op and shape
+    is timed once, the faster kept and logged, and the results are those of the implementation chosen."""
+    g = torch.Generator().manual_seed(5)
+    x, gamma, A = torch.randn(2, 8, 32, generator=g), 1 + torch.rand(32, generator=g), torch.randn(24, 32, generator=g)
+    z, Bs = torch.randn(2, 8, 16, generator=g), [torch.randn(n, 8, generator=g) for n in (12, 6)]
+    kernels._backend = "auto"
+    try:
+        for _ in range(2):
+            H, S = kernels.norm_down(x, gamma, A)
+            ys = kernels.grouped_up(z, Bs)
+            y = kernels.rms_norm(x, gamma, 1e-5)
+    finally:
+        kernels._backend = "torch"
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(re.fullmatch(r"kernels: \w+ \(.+\) triton [\d.]+ ms vs torch [\d.]+ ms: (triton|torch)", l)
+                                   for l in lines), lines
+    assert "norm_down (16x32 -> 24+1)" in lines[0] and "grouped_up (16x2x8 -> 12+6)" in lines[1]
+    assert set(kernels._choices) == {("norm_down", "16x32 -> 24+1"), ("grouped_up", "16x2x8 -> 12+6"),
+                                     ("rms_norm", "16x32")}
+    torch.testing.assert_close(H, kernels.norm_down_ref(x, gamma, A)[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ys, kernels.grouped_up_ref(z, Bs), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, kernels.rms_norm_ref(x, gamma, 1e-5), rtol=1e-4, atol=1e-4)
+    kernels._choices.clear()
+
+
+def test_bench_gpu_shapes_and_plumbing_on_cpu(tmp_path):
+    """bench.py gpu needs CUDA (a clear error here); its cases are the TP=4 slices of BOOST's 1B and
+    7B shapes, and its measuring code runs, on tiny shapes, on the CPU."""
+    import bench_gpu
+    from model import Config
+    cases = {label: (op, shapes, flops) for label, op, shapes, flops in bench_gpu.kernel_cases(bench_gpu.shapes()["1b"])}
+    assert cases["norm_down q,k,v"] == ("norm_down", [(16384, 512), (512,), (1536, 512)], 2 * 16384 * 1536 * 512)
+    assert cases["grouped_up gate,up"][1] == [(16384, 1024), (1368, 512), (1368, 512)]
+    assert bench_gpu.kernel_cases(bench_gpu.shapes()["7b"])[0][2] == [(16384, 1024), (1024,), (3072, 1024)]
+    r = bench_gpu.measure_op("norm_down", [(64, 16), (16,), (24, 16)], 2 * 64 * 24 * 16, "torch", "cpu", torch.float32, 2)
+    assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["tflops_fwd"] > 0 and r["vs_matmul"] > 0
+    step = bench_gpu.train_step(Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=16, vocab_size=64),
+                                "cpu", False, runs=1)
+    assert step["tokens_per_s"] > 0
+    res = subprocess.run([sys.executable, str(ROOT / "bench.py"), "gpu", f"--json_dir={tmp_path}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 2 and res.stderr.strip() == "error: bench.py gpu needs a CUDA GPU (this machine has none)"
 
 
 def _nvidia_backend():

@@ -150,7 +150,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
     n_params, flops_per_token = raw_model.num_params(), raw_model.flops_per_token(cfg.block_size)
     if tc.tp > 1 or tc.pp > 1:  # cut from the full model built above
         raw_model = layouts.TPLlama(raw_model, tp, layout, stage=pp_rank, stages=tc.pp)
-    elif cfg.lowrank and kernels.backend() == "triton":  # one device: the BTP layer with a TP group of one
+    elif cfg.lowrank and kernels.backend() != "torch":  # one device: the BTP layer with a TP group of one
         raw_model = layouts.TPLlama(raw_model, parallel.TP(None, 0, 1), "btp")  # runs the fused kernels
     raw_model.to(device)
     optimizer = configure_optimizer(raw_model, tc)
@@ -173,7 +173,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
     tokens_per_iter = global_batch * cfg.block_size
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
         f"dp={dp} pp={tc.pp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
-        (", kernels triton" if kernels.backend() == "triton" else "") +
+        (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
         f", {tokens_per_iter:,} tokens/iter, {device} {dtype}")
     metrics = rundir.Metrics(tc.out_dir, master)
     if master:

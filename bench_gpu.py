@@ -1,0 +1,165 @@
+"""bench_gpu.py: `python bench.py gpu`: the first measurements on one GPU, in one command (< 5 minutes).
+
+BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, written to <json_dir>/bench-gpu.json and printed:
+
+1. The kernels of kernels.py at the TP=4 slices of BOOST's 1B and 7B shapes (configs/boost_1b.toml,
+   boost_7b.toml; M = 4·4096 tokens), Triton against the PyTorch reference, forward and forward +
+   backward: ms, TFLOP/s (GB/s for RMSNorm), and the time of a plain torch.matmul of the same FLOPs
+   divided by the op's (1.0 = as fast as cuBLAS on that many FLOPs).
+2. One training step (forward, backward, AdamW; bf16 autocast) of the 1B-shaped full, svd and cola
+   models on one GPU (`--n_layer`, default 8 of its 24 layers, keeps torch.compile short), compile
+   off and on: tokens/s, MFU against the measured bf16 matmul peak, peak memory.
+
+Nothing here runs without CUDA; tests check the shapes and the plumbing on the CPU with tiny shapes.
+"""
+import json
+import time
+
+import torch
+
+TOKENS = 4 * 4096
+TP = 4
+
+
+def shapes():
+    """{name: Config} of the two BOOST shapes this bench slices."""
+    import options
+    return {name: options.parse_args([f"configs/boost_{name}.toml"])[0] for name in ("1b", "7b")}
+
+
+def kernel_cases(cfg, tp=TP, tokens=TOKENS):
+    """(op, inputs as shapes, FLOPs of the forward) of one TP rank's local ops for this shape."""
+    d, r, rm, f = cfg.n_embd // tp, cfg.attn_rank, cfg.mlp_rank, cfg.mlp_width // tp
+    kv = cfg.kv_dim // tp
+    return [("norm_down q,k,v", "norm_down", [(tokens, d), (d,), (3 * r, d)], 2 * tokens * 3 * r * d),
+            ("norm_down gate,up", "norm_down", [(tokens, d), (d,), (2 * rm, d)], 2 * tokens * 2 * rm * d),
+            ("grouped_up q,k,v", "grouped_up", [(tokens, 3 * r), (d, r), (kv, r), (kv, r)],
+             2 * tokens * r * (d + 2 * kv)),
+            ("grouped_up gate,up", "grouped_up", [(tokens, 2 * rm), (f, rm), (f, rm)], 2 * tokens * rm * 2 * f),
+            ("rms_norm (final)", "rms_norm", [(tokens, cfg.n_embd), (cfg.n_embd,)], 0)]
+
+
+def timed(fn, device, runs=10):
+    """Median ms of fn() over `runs` after a warm-up (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        if str(device).startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_op(op, input_shapes, flops, impl, device, dtype, runs=10):
+    """{fwd_ms, fwd_bwd_ms, tflops or gbs, vs_matmul} of one op under one implementation."""
+    import kernels
+    g = torch.Generator(device="cpu").manual_seed(0)
+    inputs = [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in input_shapes]
+    fn = {"norm_down": lambda x, gm, A: kernels.norm_down(x, gm, A),
+          "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
+          "rms_norm": lambda x, gm: [kernels.rms_norm(x, gm, 1e-6)]}[op]
+    saved, kernels._backend = kernels._backend, impl
+    try:
+        fwd = timed(lambda: fn(*inputs), device, runs)
+
+        def both():
+            outs = [o for o in fn(*inputs) if o.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        fwd_bwd = timed(both, device, runs)
+    finally:
+        kernels._backend = saved
+    out = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
+    if flops:
+        out["tflops_fwd"] = flops / fwd / 1e9
+        m = int(round((flops / 2) ** (1 / 3)))   # a square matmul of the same FLOPs
+        a, b = torch.randn(m, m, device=device, dtype=dtype), torch.randn(m, m, device=device, dtype=dtype)
+        out["vs_matmul"] = timed(lambda: a @ b, device, runs) / fwd
+    else:
+        moved = 2 * inputs[0].numel() * inputs[0].element_size()   # read x, write y
+        out["gbs_fwd"] = moved / fwd / 1e6
+    return out
+
+
+def matmul_peak(device, dtype=torch.bfloat16, n=8192):
+    """Measured TFLOP/s of a large square matmul: the MFU denominator."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / timed(lambda: a @ b, device) / 1e9
+
+
+def train_step(cfg, device, compile_, batch=1, runs=5):
+    """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
+    import checkpointing
+    import kernels
+    from model import Llama
+    torch.manual_seed(0)
+    model = Llama(cfg, layer_runner=checkpointing.run_layers).to(device)
+    if cfg.lowrank and kernels.backend() != "torch":
+        import layouts
+        import parallel
+        model = layouts.TPLlama(model, parallel.TP(None, 0, 1), "btp").to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=str(device).startswith("cuda"))
+    run = torch.compile(model) if compile_ else model
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device)
+
+    def step():
+        with torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16):
+            loss = run(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(2):   # warm-up (and compile)
+        step()
+    if str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    ms = timed(step, device, runs)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if str(device).startswith("cuda") else 0.0
+    return {"ms": ms, "tokens_per_s": batch * cfg.block_size / ms * 1000, "peak_gb": peak}
+
+
+def run(device="cuda", n_layer=8, json_path=None):
+    """Both tables; returns (markdown, results)."""
+    import kernels
+    from model import Llama
+    kernels.select("auto", device)
+    dtype = torch.bfloat16
+    out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device),
+           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "kernels": [], "steps": []}
+    out["matmul_peak_tflops"] = peak = matmul_peak(device)
+    lines = [f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak measured: {peak:.0f} TFLOP/s",
+             "", "| shape | op | impl | fwd ms | fwd+bwd ms | TFLOP/s or GB/s (fwd) | matmul of the same FLOPs / op |",
+             "|---|---|---|---|---|---|---|"]
+    for name, cfg in shapes().items():
+        for label, op, input_shapes, flops in kernel_cases(cfg):
+            for impl in ("triton", "torch"):
+                r = measure_op(op, input_shapes, flops, impl, device, dtype)
+                out["kernels"].append({"shape": name, "op": label, "impl": impl, **r})
+                rate = f"{r['tflops_fwd']:.0f} TFLOP/s" if flops else f"{r['gbs_fwd']:.0f} GB/s"
+                lines.append(f"| {name} TP={TP} | {label} | {impl} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {rate} | "
+                             + (f"{r['vs_matmul']:.2f}" if flops else "-") + " |")
+    lines += ["", f"One training step of the 1B shape with {n_layer} layers, 1 × 4096 tokens, bf16, one GPU:", "",
+              "| arch | compile | ms | tokens/s | MFU | peak GB |", "|---|---|---|---|---|---|"]
+    base = shapes()["1b"]
+    for arch in ("full", "svd", "cola"):
+        cfg = type(base)(**{**base.shape(), "arch": arch, "n_layer": n_layer, "vocab_size": 32000,
+                            "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
+        with torch.device("meta"):
+            flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)   # counted from the matrices
+        for compile_ in (False, True):
+            r = train_step(cfg, device, compile_)
+            r["mfu"] = flops_per_token * r["tokens_per_s"] / (peak * 1e12)
+            out["steps"].append({"arch": arch, "compile": compile_, **r})
+            lines.append(f"| {arch} | {compile_} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+                         f"{r['peak_gb']:.1f} |")
+    text = "\n".join(lines)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return text, out
