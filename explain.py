@@ -243,7 +243,7 @@ class SectionBytes(checkpointing.SavedBytes):
         return super().pack(t)
 
 
-def layer_view(events, names):
+def layer_view(events):
     """The report lines: the first layer in full, each other layer 'the same' or in full."""
     sections = []
     for phase, section, kind, text in events:
@@ -354,7 +354,7 @@ def main(cfg, tc, world, dp, layout, device):
         ddp = DDP(model, process_group=mesh.get_group("dp"))
         ddp.register_comm_hook(mesh.get_group("dp"), parallel.ledger_ddp_hook)
     events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device", pipe, ddp)
-    view, sums = layer_view(events, names), totals(counts, saved, flops, b * s, names)
+    view, sums = layer_view(events), totals(counts, saved, flops, b * s, names)
     views = [None] * world
     if world > 1:
         dist.all_gather_object(views, (coords, view, sums))

@@ -60,7 +60,7 @@ def check_divisible(cfg, tp, layout, pp=1):
 
 
 def traced(chunk):
-    """A chunk as one labelled range in profiler traces (--profile), `btp.attn_chunk`; when no
+    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`; when no
     profiler runs it costs one check."""
     @functools.wraps(chunk)
     def run(block, *args):

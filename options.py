@@ -35,7 +35,7 @@ class TrainConfig:
     keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
     inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
     explain: bool = False          # run one recorded step, print what every rank computes and sends, exit (explain.py)
-    profile: str = ""              # W:A: after W steps, trace A steps to <out_dir>/trace/rank<N>.json (torch.profiler)
+    profile: str = ""              # W:A: after W steps of the run, trace A steps to <out_dir>/trace/rank<N>.json
     # data
     dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded), or text / JSON Lines / .gz files or a folder
     tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
@@ -198,7 +198,7 @@ def check_values(tc):
         if not (wait.isdigit() and active.isdigit() and int(active) > 0):
             raise ValueError(f"profile={tc.profile} is not W:A (wait W steps, then record A > 0 steps), e.g. 2:3")
         if int(wait) + int(active) > tc.max_iters:
-            raise ValueError(f"profile={tc.profile} records iterations {wait}..{int(wait) + int(active) - 1}, "
+            raise ValueError(f"profile={tc.profile} records steps {int(wait) + 1}..{int(wait) + int(active)}, "
                              f"past max_iters={tc.max_iters}")
         if tc.explain:
             raise ValueError("explain=true runs one step and exits: there is nothing for profile to trace")

@@ -2,8 +2,10 @@
 
 BOOST (arXiv 2512.12131) sections 2 and 6. The collectives are Megatron's pair f/g (Copy, Reduce)
 plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entropy), each an autograd
-Function with an explicit group. Every collective records its op, group, phase and size in LEDGER;
-train.py logs it per iteration and bench.py compares it with the formulas.
+Function with an explicit group; CopyUp is f fused with the GEMMs after it, so that backward overlaps
+its all-reduce with the weight gradients (--overlap). Every collective records its op, group, phase
+and size in LEDGER; train.py logs it per iteration, bench.py compares it with the formulas and
+explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 """
 import os

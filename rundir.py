@@ -17,8 +17,9 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
   signal stops at once. Before the loop starts, a signal stops at once (there is nothing to save).
   Under torchrun the ranks agree through one all-reduce of their flags a step, overlapped with the
   next step, so the run stops one step after the signal.
-- Traces. --profile=W:A records iterations W..W+A-1 with torch.profiler into one Chrome trace per
-  rank, <out_dir>/trace/rank<N>.json (the collectives, BTP's chunks and the optimizer step labelled).
+- Traces. --profile=W:A records A steps after the first W of this run with torch.profiler into one
+  Chrome trace per rank, <out_dir>/trace/rank<N>.json (the collectives, BTP's chunks and the
+  optimizer step labelled), replacing the files of an earlier profile there.
 """
 import fcntl
 import json
@@ -204,8 +205,8 @@ def duration(seconds):
 
 
 def profiler(spec, out_dir, rank, log):
-    """--profile=W:A: a started torch.profiler.profile that records iterations W..W+A-1 (train.py
-    calls .step() after each) and writes <out_dir>/trace/rank<N>.json; None without the option."""
+    """--profile=W:A: a started torch.profiler.profile that records A steps after the first W of this
+    run (train.py calls .step() after each) and writes <out_dir>/trace/rank<N>.json; None without it."""
     if not spec:
         return None
     import torch
@@ -215,8 +216,8 @@ def profiler(spec, out_dir, rank, log):
     def write(prof):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         prof.export_chrome_trace(path)
-        log(f"profile: wrote {os.path.join(out_dir, 'trace')}/rank<N>.json (iterations {wait}..{wait + active - 1}); "
-            "open one in https://ui.perfetto.dev or chrome://tracing")
+        log(f"profile: wrote {os.path.join(out_dir, 'trace')}/rank<N>.json ({active} steps after the first {wait} of "
+            "this run); open one in https://ui.perfetto.dev or chrome://tracing")
     prof = torch.profiler.profile(
         schedule=torch.profiler.schedule(wait=max(wait - 1, 0), warmup=min(wait, 1), active=active, repeat=1),
         on_trace_ready=write, record_shapes=True)
