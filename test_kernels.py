@@ -89,7 +89,7 @@ def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir, tp):
     """At tp=2 the BTP layout, at tp=1 the single-device model run as BTP with a TP group of one
     (so one GPU gets the fused kernels too), against the PyTorch reference of each."""
     common = [f"--data_dir={data_dir}", *TINY, "--max_iters=3", "--eval_interval=100", f"--tp={tp}", "--batch_size=2",
-              "--eval_iters=1"]
+              "--eval_iters=1", "--n_layer=1"]
     runs = {}
     for backend in ("torch", "triton"):
         res = torchrun(tp, f"--out_dir={tmp_path / backend}", *common, f"--kernels={backend}")
