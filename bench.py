@@ -126,18 +126,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
                        "formula": per_layer_volume(layout, cfg)}
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    finish(world)
-
-
-def finish(world):
-    """The end of a spawned worker: leave the group together, then exit at once: at interpreter
-    teardown gloo's threads can abort the process ('terminate called without an active exception')."""
-    import torch.distributed as dist
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    parallel.exit_worker(world)
 
 
 VARIANTS = {  # name: (arch, layout or None for one device, recompute, BTP options)
@@ -204,7 +193,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
             out[name]["ms"].append(1000 * (time.perf_counter() - t0))
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    finish(world)
+    parallel.exit_worker(world)
 
 
 def measure(world, names, cfg, batch, iters):

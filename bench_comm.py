@@ -28,7 +28,6 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
     import torch.distributed as dist
     import layouts
     import parallel
-    from bench import finish
     from model import Config, Llama
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
@@ -75,7 +74,7 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
             if e.key.split(" ")[0] in ("all_reduce", "all_gather", "wait")) / 1000
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    finish(world)
+    parallel.exit_worker(world)
 
 
 def _probe_worker(rank, world, store, tokens, width, result):
@@ -84,7 +83,7 @@ def _probe_worker(rank, world, store, tokens, width, result):
     import time
     import torch
     import torch.distributed as dist
-    from bench import finish
+    import parallel
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
     x, a, b = torch.randn(tokens, width), torch.randn(tokens, 512), torch.randn(512, width // 2)
@@ -105,7 +104,7 @@ def _probe_worker(rank, world, store, tokens, width, result):
                 out[name].append(1000 * (time.perf_counter() - t0))
     if rank == 0:
         Path(result).write_text(json.dumps({k: statistics.median(v) for k, v in out.items()}))
-    finish(world)
+    parallel.exit_worker(world)
 
 
 def probe(tokens, width):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import parallel
 import prepare
 import train
 from model import Config
@@ -84,10 +85,7 @@ def _worker(rank, world, store, fn, *args):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
                             store=dist.FileStore(store, world))
     fn(rank, world, *args)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown, where gloo's threads can abort a finished worker
+    parallel.exit_worker(world)  # together, then skip the teardown where gloo's threads can abort
 
 
 def expect_error(capsys, argv, *fragments):

@@ -9,6 +9,7 @@ explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 """
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
@@ -257,6 +258,17 @@ def column_parallel(x, Ws, tp, sliced=False):
         return list(CopyUp.apply(x, tp.group, sliced, *Ws))
     x = Copy.apply(x, tp.group)
     return kernels.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]
+
+
+def exit_worker(world):
+    """The end of a spawned worker (tests, bench.py): leave the group together, then exit at once: at
+    interpreter teardown gloo's threads can abort the process ('terminate called without an active
+    exception')."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def init_mesh(dp, tp, device_type, timeout_s, pp=1):

@@ -122,6 +122,14 @@ def _collectives_worker(rank, world):
         mine = [dy @ W for dy, W in zip(dys, Ws)]
         mine = torch.cat(mine, -1) if sliced else sum(mine)
         torch.testing.assert_close(dx, mine / (rank + 1) * 3)  # summed over the ranks: factors 1 + 2
+    # bench.py's lower bound: NO_COMM skips the communication (the values stay this rank's) but not the ledger
+    parallel.NO_COMM = True
+    try:
+        parallel.LEDGER.reset()
+        assert torch.equal(parallel.Reduce.apply(torch.arange(6.0) * (rank + 1), g), torch.arange(6.0) * (rank + 1))
+        assert parallel.LEDGER.total("tp", unit="calls") == 1
+    finally:
+        parallel.NO_COMM = False
     # Gather: all-gather forward, own slice backward
     x = torch.full((2, 3), float(rank + 1), requires_grad=True)
     y = parallel.Gather.apply(x, g)
@@ -341,6 +349,12 @@ def test_bench_runs_end_to_end(tmp_path):
         assert res.returncode == 0, res.stderr[-2000:]
         assert json.loads((tmp_path / "j" / f"bench-{what[0]}.json").read_text())
     assert "cola/btp recompute=lowrank" in (tmp_path / "j" / "bench-layouts.json").read_text()
+    import bench_comm
+    import options
+    cfg, _ = options.parse_args(tiny[:-2])
+    res = bench_comm.measure(1, 2, cfg, 2, 1)   # the comm bench's worker: every layout, three ways
+    assert set(res) >= {(f"{a}/{lay}", mode) for a, lay in bench_comm.CASES for mode in bench_comm.MODES}
+    assert all(v > 0 for v in res.values())
     assert not list(tmp_path.glob("*.json"))  # nothing in the current directory
     res = subprocess.run([sys.executable, str(ROOT / "bench.py"), "-h"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "python bench.py layouts" in res.stdout
