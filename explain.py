@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 import checkpointing
+import kernels
 import parallel
 from parallel import LEDGER
 
@@ -50,7 +51,7 @@ class Names:
 
     def __init__(self, cfg, t, b, s):
         d, ra, rm, f, kv, V = cfg.n_embd, cfg.attn_rank, cfg.mlp_rank, cfg.mlp_width, cfg.kv_dim, cfg.vocab_size
-        self.rm = "r" if rm == ra else "r_m"
+        self.rm, self.t = ("r" if rm == ra else "r_m"), t
         self.kv = "kv" if kv != d else "d"
         table = [("b·s", b * s), ("b", b), ("s", s), ("d", d), ("d/t", d // t), ("f", f), ("f/t", f // t),
                  *([("kv", kv), ("kv/t", kv // t)] if kv != d else []), ("V", V), ("V/t", V // t), ("hd", cfg.head_dim),
@@ -93,7 +94,7 @@ class Names:
         rows = [f[0] for f in full]
         sym = [rows[0] if len(rows) == 1 else f"{len(rows)}{rows[0]}" if len(set(rows)) == 1 else "+".join(rows),
                *full[0][1:]]
-        if spec.dim is not None:
+        if spec.dim is not None and self.t > 1:
             sym[spec.dim] += "/t"
         return tuple(sym)
 
@@ -220,7 +221,7 @@ def record(model, x, y, names, layout, pipe=None, ddp=None):
     LEDGER.listener = lambda op, group, phase, t: recorder.collective(op, group, phase, t, tokens)
     saved = SectionBytes(model, recorder)
     try:
-        with saved, recorder:
+        with saved, recorder, kernels.reference():   # (the fused kernels compute what the references do)
             run_step(model, x, y, pipe, ddp)
     finally:
         LEDGER.listener = None
@@ -341,6 +342,8 @@ def main(cfg, tc, world, dp, layout, device):
     model = Llama(cfg, recompute=tc.recompute, layer_runner=checkpointing.run_layers)
     if tc.tp > 1 or tc.pp > 1:
         model = layouts.TPLlama(model, tp, layout, stage=coords.get("pp", 0), stages=tc.pp)
+    elif cfg.lowrank and kernels.backend() != "torch":   # as train.py: one device runs the kernels as BTP
+        model = layouts.TPLlama(model, tp, "btp")
     model.to(device)
     b = 2
     s = free_tokens(cfg, b)
@@ -367,7 +370,8 @@ def main(cfg, tc, world, dp, layout, device):
     print(f"explain: {cfg.arch}, {'layout ' + layout if tc.tp > 1 else 'no TP'}, dp={dp} pp={tc.pp} tp={tc.tp}, "
           f"recompute={tc.recompute}, overlap={tc.overlap if tc.tp > 1 else '-'}; one forward and backward of "
           f"b={b} sequences of s={s} tokens per rank" + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
-          + ", recorded (t = tp degree)")
+          + ", recorded (t = tp degree)" + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"
+                                            if kernels.backend() != "torch" else ""))
     print(f"\nrank 0 ({where(coords)}), in execution order:")
     print("\n".join(view))
     for r, (c, v, _) in enumerate(views[1:], 1):

@@ -18,6 +18,7 @@ PyTorch reference (the specification, and the CPU path) or the Triton kernels, f
 The Triton kernels themselves, their tile configurations per GPU and their launches are
 triton_kernels.py; on a machine without CUDA they run in Triton's interpreter.
 """
+import contextlib
 import os
 
 import torch
@@ -51,6 +52,18 @@ def select(mode, device):
 def backend():
     """The implementation select() chose: "torch", "triton" or "auto" (measured per op and shape)."""
     return _backend
+
+
+@contextlib.contextmanager
+def reference():
+    """The PyTorch references inside, whatever select() chose (explain.py records ops with a dispatch
+    mode, to which a Triton launch is invisible)."""
+    global _backend
+    saved, _backend = _backend, "torch"
+    try:
+        yield
+    finally:
+        _backend = saved
 
 
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
