@@ -69,11 +69,13 @@ def reference():
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
 
 
-def _which(op, key, fn, args):
+def _which(op, shape_key, fn, args):
     """The implementation of `op` for this shape: the forced one, or under auto the faster of the two
-    for fn(*args) forward and backward, timed once (3 runs each after a warm-up), logged once."""
+    for fn(*args) forward and backward, timed once (3 runs each after a warm-up), logged once.
+    shape_key() names the shape; it is called only under auto, off the reference's hot path."""
     if _backend != "auto":
         return _backend
+    key = shape_key()
     if (op, key) not in _choices:
         if torch.compiler.is_compiling():
             return "torch"   # (timed in the eager warm-up steps, not while tracing)
@@ -133,8 +135,8 @@ def _autocast(*tensors):
 
 
 def norm_down(x, gamma, A):
-    if _which("norm_down", f"{x.numel() // x.shape[-1]}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down, (x, gamma, A)) \
-            == "torch":
+    if _which("norm_down", lambda: f"{x.numel() // x.shape[-1]}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down,
+              (x, gamma, A)) == "torch":
         return norm_down_ref(x, gamma, A)
     x2, gamma, A = _autocast(x.reshape(-1, x.shape[-1]), gamma, A)
     H, S = NormDown.apply(x2, gamma, A)
@@ -145,8 +147,15 @@ def _up_key(tokens, Bs):
     return f"{tokens}x{len(Bs)}x{Bs[0].shape[1]} -> {'+'.join(str(B.shape[0]) for B in Bs)}"
 
 
+def _up_backend(dys, Bs):
+    """The implementation of grouped_up's backward halves: the one its forward used for these shapes."""
+    if _backend != "auto":
+        return _backend
+    return _choices.get(("grouped_up", _up_key(dys[0].numel() // dys[0].shape[-1], Bs)), "triton")
+
+
 def grouped_up(z, Bs):
-    if _which("grouped_up", _up_key(z.numel() // z.shape[-1], Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
+    if _which("grouped_up", lambda: _up_key(z.numel() // z.shape[-1], Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
               (z, *Bs)) == "torch":
         return grouped_up_ref(z, Bs)
     z2, W = _autocast(z.reshape(-1, z.shape[-1]), torch.cat(Bs))  # autograd of cat splits dW
@@ -157,7 +166,7 @@ def grouped_up(z, Bs):
 # grouped_up's backward in two halves, for parallel.CopyUp, which all-reduces dz while dB computes
 def grouped_up_dz(dys, Bs):
     """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r), dz_g = dy_g·B_g."""
-    if _choices.get(("grouped_up", _up_key(dys[0].numel() // dys[0].shape[-1], Bs)), _backend) == "torch":
+    if _up_backend(dys, Bs) == "torch":
         return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
     W = torch.cat(Bs).to(dY.dtype)
@@ -167,7 +176,7 @@ def grouped_up_dz(dys, Bs):
 def grouped_up_dB(dys, z, Bs):
     """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype."""
     zs = z.split(Bs[0].shape[1], -1)
-    if _choices.get(("grouped_up", _up_key(dys[0].numel() // dys[0].shape[-1], Bs)), _backend) == "torch":
+    if _up_backend(dys, Bs) == "torch":
         return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype)).to(B.dtype)
                 for dy, zg, B in zip(dys, zs, Bs)]
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
@@ -176,7 +185,7 @@ def grouped_up_dB(dys, z, Bs):
 
 
 def rms_norm(x, gamma, eps):
-    if _which("rms_norm", f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", lambda x, g: [rms_norm(x, g, eps)],
+    if _which("rms_norm", lambda: f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", lambda x, g: [rms_norm(x, g, eps)],
               (x, gamma)) == "torch":
         return rms_norm_ref(x, gamma, eps)
     x2, gamma = _autocast(x.reshape(-1, x.shape[-1]), gamma)
