@@ -1,19 +1,24 @@
-# make train: train the default CoLA model on the embedded corpus; make test: the test suite.
-# Both create .venv from requirements.txt first (once; again when requirements.txt changes).
+# make train: train the default CoLA model on the embedded corpus (needs requirements.txt only).
+# make test: the whole test suite; make test-fast: the tests not marked slow (a forker's edit loop);
+# both also install requirements-dev.txt (the file-format libraries the tests cover).
+# Each creates .venv first (once; again when a requirements file changes).
 PY := .venv/bin/python
-SHARED_CACHE := $(wildcard ../shared/tiktoken_cache)
-ifneq ($(SHARED_CACHE),)
-export TIKTOKEN_CACHE_DIR ?= $(abspath $(SHARED_CACHE))
-endif
 
-.PHONY: train test bench
+.PHONY: train test test-fast
 train: .venv/.installed
 	$(PY) train.py
 
-test: .venv/.installed
+test: .venv/.installed-dev
 	$(PY) -m pytest -q
+
+test-fast: .venv/.installed-dev
+	$(PY) -m pytest -q -m "not slow"
 
 .venv/.installed: requirements.txt
 	python3 -m venv .venv
 	.venv/bin/pip install -q -r requirements.txt
+	touch $@
+
+.venv/.installed-dev: .venv/.installed requirements-dev.txt
+	.venv/bin/pip install -q -r requirements-dev.txt
 	touch $@

@@ -40,14 +40,6 @@ import model as llama
 RECOMPUTE = ("none", "layer", "lowrank")
 
 
-def forward_chunks(block, x, cos, sin):
-    """One layer through its chunks, no recompute (the forward of BTPBlock and VanillaBlock)."""
-    u = block.reduce(block.attn_chunk(block.reduce(block.qkv_down(x)), cos, sin))
-    x, partial = block.o_chunk(u, x)
-    u = block.reduce(block.mlp_chunk(block.reduce(partial)))
-    return block.down_chunk(u, x)
-
-
 class OneDeviceChunks:
     """model.Block (arch svd or cola) seen as the same chunks; its latents are A·x, no collectives."""
 

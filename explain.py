@@ -284,7 +284,7 @@ def totals(counts, saved, flops, tokens, names):
     return lines
 
 
-def free_tokens(cfg, b):
+def unnamed_length(cfg, b):
     """A sequence length s <= block_size whose b·s and s name no model size, so shapes read clearly."""
     sizes = set(Names(cfg, 1, 1, 1).names) | {cfg.n_embd // 2, cfg.n_embd // 4, cfg.attn_rank // 2}
     for s in (7, 5, 9, 11, 13, 6, 3, 10, 12, 14, 15, 4, 2):
@@ -293,7 +293,7 @@ def free_tokens(cfg, b):
     return min(cfg.block_size, 8)
 
 
-def per_layer(cfg, layout, arch, tp, recompute, b, s):
+def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
     """One layer of `arch` under `layout` on this TP group, measured as the difference of a two- and
     a one-layer model: (TP elements fwd, bwd, collectives, saved bytes, FLOPs) per token."""
     import layouts
@@ -304,7 +304,8 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s):
                       "mlp_gate": cfg.mlp_gate if arch == cfg.arch else "auto"})
         torch.manual_seed(0)
         model = layouts.TPLlama(Llama(c, recompute=recompute, layer_runner=checkpointing.run_layers), tp, layout)
-        x = torch.randint(0, c.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+        model.to(device)   # on the run's device: NCCL takes no CPU tensors
+        x = torch.randint(0, c.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
         _, counts, saved, flops = record(model, x, x, Names(c, tp.size, b, s), layout)
         tp_counts = {k: v for k, v in counts.items() if k[1] == "tp"}
         rows.append([sum(v[0] for k, v in tp_counts.items() if k[2] == "fwd"),
@@ -313,7 +314,7 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s):
     return [(two - one) / (b * s) if i != 2 else two - one for i, (one, two) in enumerate(zip(*rows))]
 
 
-def comparison(cfg, tc, tp, layout, b, s):
+def comparison(cfg, tc, tp, layout, b, s, device):
     """The three layouts of the paper at this width, one layer each, side by side."""
     low = cfg.arch if cfg.lowrank else "cola"
     cases = [("megatron", "full"), ("vanilla", low), ("btp", low)]
@@ -321,32 +322,22 @@ def comparison(cfg, tc, tp, layout, b, s):
              "  layout    arch  TP elements fwd  bwd   collectives  saved bytes  FLOPs on this rank"]
     for name, arch in cases:
         recompute = tc.recompute if not (tc.recompute == "lowrank" and arch == "full") else "none"
-        fwd, bwd, calls, saved, flops = per_layer(cfg, name, arch, tp, recompute, b, s)
+        fwd, bwd, calls, saved, flops = per_layer(cfg, name, arch, tp, recompute, b, s, device)
         lines.append(f"  {name:<9} {arch:<5} {fwd:>15,.0f} {bwd:>4,.0f} {calls:>12} {saved:>12,.0f} {flops:>19,.0f}"
                      + ("   <- this run's layout" if name == layout else ""))
     return lines
 
 
-def main(cfg, tc, world, dp, layout, device):
-    """--explain=true: build the model as train.py does, run one recorded step, print, return."""
-    import layouts
-    from model import Llama
+def main(cfg, tc, place, layout, model):
+    """--explain=true: one recorded step of the model train.py built for this rank (train.Placement
+    says where it sits), printed by rank 0; nothing else runs and no file is written."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    mesh, tp, pipe, ddp, coords = None, parallel.TP(None, 0, 1), None, None, {}
-    if world > 1:
-        mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
-        tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
-        coords = {name: mesh.get_local_rank(name) for name in ("dp", "pp", "tp")}
+    world, dp, mesh, tp, device = place.world, place.dp, place.mesh, place.tp, place.device
+    coords = {name: mesh.get_local_rank(name) for name in ("dp", "pp", "tp")} if mesh is not None else {}
     rank = dist.get_rank() if world > 1 else 0
-    torch.manual_seed(tc.seed)
-    model = Llama(cfg, recompute=tc.recompute, layer_runner=checkpointing.run_layers)
-    if tc.tp > 1 or tc.pp > 1:
-        model = layouts.TPLlama(model, tp, layout, stage=coords.get("pp", 0), stages=tc.pp)
-    elif cfg.lowrank and kernels.backend() != "torch":   # as train.py: one device runs the kernels as BTP
-        model = layouts.TPLlama(model, tp, "btp")
-    model.to(device)
+    pipe, ddp = None, None
     b = 2
-    s = free_tokens(cfg, b)
+    s = unnamed_length(cfg, b)
     names = Names(cfg, tc.tp, b, s)
     x = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(tc.seed + rank)).to(device)
     if tc.pp > 1:  # one micro-batch, GPipe: the ops of one pass through the stages
@@ -363,11 +354,17 @@ def main(cfg, tc, world, dp, layout, device):
         dist.all_gather_object(views, (coords, view, sums))
     else:
         views = [(coords, view, sums)]
-    compare = comparison(cfg, tc, tp, layout, b, s) if tc.tp > 1 else []
-    if rank != 0:
-        return
+    compare = comparison(cfg, tc, tp, layout, b, s, device) if tc.tp > 1 else []
+    if rank == 0:
+        report(cfg, tc, place, layout, (b, s), views, sums, compare)
+
+
+def report(cfg, tc, place, layout, shape, views, sums, compare):
+    """Rank 0's printout: the header, its ops in order, where the other ranks differ, the totals and
+    the layouts side by side."""
+    (b, s), (coords, view, _) = shape, views[0]
     where = lambda c: ", ".join(f"{k} {v}" for k, v in c.items()) or "one process"
-    print(f"explain: {cfg.arch}, {'layout ' + layout if tc.tp > 1 else 'no TP'}, dp={dp} pp={tc.pp} tp={tc.tp}, "
+    print(f"explain: {cfg.arch}, {'layout ' + layout if tc.tp > 1 else 'no TP'}, dp={place.dp} pp={tc.pp} tp={tc.tp}, "
           f"recompute={tc.recompute}, overlap={tc.overlap if tc.tp > 1 else '-'}; one forward and backward of "
           f"b={b} sequences of s={s} tokens per rank" + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
           + ", recorded (t = tp degree)" + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"

@@ -1,7 +1,7 @@
-"""interchange.py: this project's models in the formats other tools read, and back.
+"""interchange.py: this project's models in the formats other tools read, and back: export and import.
 
 Not in the BOOST paper (arXiv 2512.12131); what lets a model trained with BTP be evaluated (and a
-CoLA model trained elsewhere be trained on with BTP). boost-notes §9 states both formats:
+CoLA model trained elsewhere be trained on with BTP). docs/design.md states both formats:
 
   hf    Hugging Face Llama (`model_type: llama`, `LlamaForCausalLM` loads it without custom code,
         and so does lm-evaluation-harness). It computes down(silu(gate)·up) with dense projections,
@@ -12,16 +12,33 @@ CoLA model trained elsewhere be trained on with BTP). boost-notes §9 states bot
         (r, out) = B.weight.T; one `rank` for all projections; `only_lr_act` true for
         down(gate·up), false for down(silu(gate)·up). Its k and v are n_head·head_dim wide.
 
-A folder is config.json (written with json) and pytorch_model.bin (torch.save of the weights),
-which both readers accept; `boost_tokenizer` in config.json names the tokenizer. What a format
-cannot represent is refused with one line (ValueError).
+The commands (a checkpoint is a folder <out_dir>/checkpoints/iter_NNNNNNN, train_state.py's):
+
+    python interchange.py export out/checkpoints/iter_0002000 model.pt               # one unsharded file
+    python interchange.py export out/checkpoints/iter_0002000 hf_model --format=hf   # or cola
+    python interchange.py import hf_model out2   # a checkpoint that train.py --init_from=resume continues
+    python interchange.py sample model.pt 200    # generate from an exported file
+
+A folder is config.json and model.safetensors, as transformers writes them (import also reads a
+pytorch_model.bin, as tensors only); `boost_tokenizer` in config.json names the tokenizer. What a
+format cannot represent, or a folder whose weights do not fit its config.json, is refused with one
+line (ValueError).
 """
+import argparse
 import json
 import os
+import pickle
+import sys
+import time
 
 import torch
 
+import integrity
+import model as llama
+import train_state
+
 FORMATS = ("hf", "cola")
+WEIGHTS = "model.safetensors"   # what transformers writes by default
 PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n) for n in ("gate", "up", "down")]
 
 
@@ -64,9 +81,10 @@ def hf_config(cfg, fmt, tokenizer):
     return out
 
 
-def to_format(state, cfg, fmt):
+def to_format(state, cfg, fmt, check_format=True):
     """{name: tensor} of the model's state dict (single-device names) in format `fmt`."""
-    check(cfg, fmt)
+    if check_format:
+        check(cfg, fmt)
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
@@ -83,29 +101,60 @@ def to_format(state, cfg, fmt):
             else:
                 out[dst + "cola_a"] = state[src + "A.weight"].t().contiguous()   # (in, r)
                 out[dst + "cola_b"] = state[src + "B.weight"].t().contiguous()   # (r, out)
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+    return {k: v.detach().clone().contiguous() if v.device.type != "meta" else v for k, v in out.items()}
+
+
+def _safetensors():
+    """The safetensors package, or a one-line ValueError naming it."""
+    try:
+        import safetensors.torch
+        return safetensors.torch
+    except ImportError:
+        raise ValueError("this needs the safetensors package (pip install safetensors, or make test's "
+                         "requirements-dev.txt)") from None
 
 
 def write(folder, state, cfg, fmt, tokenizer):
-    """A folder in format `fmt` (config.json, pytorch_model.bin); refuses to write into a non-empty one."""
-    tensors = to_format(state, cfg, fmt)
+    """A folder in format `fmt` (config.json, model.safetensors); refuses to write into a non-empty one."""
+    tensors, st = to_format(state, cfg, fmt), _safetensors()
     if os.path.exists(folder) and os.listdir(folder):
         raise ValueError(f"{folder} exists and is not empty: choose another folder")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config(cfg, fmt, tokenizer), f, indent=1)
-    torch.save(tensors, os.path.join(folder, "pytorch_model.bin"))
+    st.save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
 
 
-def read(folder):
-    """(model.Config keyword arguments, single-device state dict, tokenizer or None) of an hf or cola
-    folder; ValueError with one line for what this project cannot hold."""
+def read_tensors(folder):
+    """{name: tensor} of a folder's model.safetensors, or of its pytorch_model.bin read as tensors
+    only (torch.load with weights_only=True: a pickle that asks for anything else is refused)."""
+    if os.path.exists(os.path.join(folder, WEIGHTS)):
+        try:
+            return _safetensors().load_file(os.path.join(folder, WEIGHTS))
+        except (OSError, RuntimeError, ValueError) as e:   # safetensors' own errors are these
+            raise ValueError(f"{folder}: {WEIGHTS} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
+    path = os.path.join(folder, "pytorch_model.bin")
+    if not os.path.exists(path):
+        raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor pytorch_model.bin")
     try:
-        with open(os.path.join(folder, "config.json")) as f:
-            c = json.load(f)
-        tensors = torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True, map_location="cpu")
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{folder} is not a model folder with config.json and pytorch_model.bin ({type(e).__name__})") from None
+        tensors = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise ValueError(f"{folder}: pytorch_model.bin holds more than tensors, and it is not unpickled "
+                         f"(convert it to {WEIGHTS})") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{folder}: pytorch_model.bin is unreadable ({type(e).__name__})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"{folder}: pytorch_model.bin is not a dict of tensors")
+    return tensors
+
+
+INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "num_hidden_layers", "vocab_size", "max_position_embeddings", "rank", "head_dim")
+
+
+def config_kwargs(c, folder):
+    """model.Config keyword arguments of an hf or cola config.json; ValueError with one line for a
+    missing key, a value of the wrong type, or what this project cannot hold."""
     kind = c.get("model_type")
     if kind not in ("llama", "cola"):
         raise ValueError(f"{folder}: model_type={kind!r} is not llama or cola")
@@ -115,33 +164,237 @@ def read(folder):
     if c.get("hidden_act", "silu") != "silu" or c.get("rope_scaling"):
         raise ValueError(f"{folder}: hidden_act={c.get('hidden_act')}, rope_scaling={c.get('rope_scaling')}: "
                          "only silu and plain RoPE are supported")
+    needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+    for key in needed + (("rank",) if kind == "cola" else ()):
+        if key not in c:
+            raise ValueError(f"{folder}: config.json has no {key}")
+    for key in INT_KEYS:   # the optional ones may be null
+        if (key in needed or c.get(key) is not None) and key in c and \
+                (not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1):
+            raise ValueError(f"{folder}: config.json's {key}={c[key]!r} is not a positive integer")
+    for key in ("rope_theta", "rms_norm_eps"):
+        if not isinstance(c.get(key, 1.0), (int, float)) or isinstance(c.get(key), bool):
+            raise ValueError(f"{folder}: config.json's {key}={c[key]!r} is not a number")
     d, h = c["hidden_size"], c["num_attention_heads"]
     if c.get("head_dim", d // h) != d // h:
         raise ValueError(f"{folder}: head_dim={c['head_dim']} is not hidden_size/num_attention_heads={d // h}")
     kw = dict(arch="full" if kind == "llama" else "cola", n_layer=c["num_hidden_layers"], n_head=h,
               n_kv_head=c.get("num_key_value_heads") or h, n_embd=d, mlp_width=c["intermediate_size"],
-              block_size=c.get("max_position_embeddings", 2048), vocab_size=c["vocab_size"],
+              block_size=c.get("max_position_embeddings") or 2048, vocab_size=c["vocab_size"],
               rope_base=float(c.get("rope_theta", 10000.0)), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(c.get("tie_word_embeddings", False)))
-    if kind == "cola":
+    if kind == "cola":   # CoLA's k and v are n_head·head_dim wide whatever num_key_value_heads says
         kw.update(attn_rank=c["rank"], mlp_rank=c["rank"], mlp_gate="none" if c.get("only_lr_act", True) else "silu",
-                  n_kv_head=h)   # CoLA's k and v are n_head·head_dim wide whatever num_key_value_heads says
+                  n_kv_head=h)
     else:
         kw.update(mlp_gate="silu")
+    return kw
+
+
+def read(folder):
+    """(model.Config keyword arguments, single-device state dict, tokenizer or None) of an hf or cola
+    folder, every tensor of the model present with its shape and none left over; ValueError with one
+    line otherwise."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder} is not a model folder: config.json is unreadable ({type(e).__name__})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{folder}: config.json is not a JSON object")
+    kw = config_kwargs(c, folder)
+    try:
+        cfg = llama.Config(**kw)
+    except ValueError as e:
+        raise ValueError(f"{folder}: config.json describes no model this project can build ({e})") from None
+    tensors = read_tensors(folder)
+    with torch.device("meta"):
+        expected = llama.Llama(cfg).state_dict()   # the names and shapes the model needs
+    theirs = to_format(expected, cfg, "cola" if cfg.arch == "cola" else "hf", check_format=False)
+    for name, want in theirs.items():
+        if name not in tensors:
+            raise ValueError(f"{folder}: the weights have no {name}, which config.json's model needs")
+        if tuple(tensors[name].shape) != tuple(want.shape):
+            raise ValueError(f"{folder}: {name} is {tuple(tensors[name].shape)}, config.json's model needs "
+                             f"{tuple(want.shape)}")
+    extra = sorted(set(tensors) - set(theirs) - {"lm_head.weight"})
+    if extra:
+        raise ValueError(f"{folder}: {len(extra)} tensor(s) that config.json's model has no place for, "
+                         f"the first {extra[0]}")
+    return kw, from_format(tensors, cfg), c.get("boost_tokenizer")
+
+
+def from_format(tensors, cfg):
+    """The single-device state dict of a folder's tensors (hf or cola names), checked by read()."""
     state = {"tok_emb.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"],
              "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        state[ours + "attn_norm.weight"] = tensors[theirs + "input_layernorm.weight"]
+        state[ours + "mlp_norm.weight"] = tensors[theirs + "post_attention_layernorm.weight"]
+        for block, hf_block, n in PROJECTIONS:
+            src, dst = f"{theirs}{hf_block}.{n}_proj.", f"{ours}{block}.{n}."
+            if cfg.arch == "full":
+                state[dst + "weight"] = tensors[src + "weight"]
+            else:
+                state[dst + "A.weight"] = tensors[src + "cola_a"].t().contiguous()   # (r, in)
+                state[dst + "B.weight"] = tensors[src + "cola_b"].t().contiguous()   # (out, r)
+    return state
+
+
+# ------------------------------------------------------------------------ the commands
+
+def checkpoint_state(path):
+    """(model.Config, single-device state dict, tokenizer) of a checkpoint folder, in one process:
+    its checksums verified as resume verifies them, its tensors loaded into a model of its config."""
     try:
-        for i in range(kw["n_layer"]):
-            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-            state[ours + "attn_norm.weight"] = tensors[theirs + "input_layernorm.weight"]
-            state[ours + "mlp_norm.weight"] = tensors[theirs + "post_attention_layernorm.weight"]
-            for block, hf_block, n in PROJECTIONS:
-                src, dst = f"{theirs}{hf_block}.{n}_proj.", f"{ours}{block}.{n}."
-                if kind == "llama":
-                    state[dst + "weight"] = tensors[src + "weight"]
-                else:
-                    state[dst + "A.weight"] = tensors[src + "cola_a"].t().contiguous()   # (r, in)
-                    state[dst + "B.weight"] = tensors[src + "cola_b"].t().contiguous()   # (out, r)
-    except KeyError as e:
-        raise ValueError(f"{folder}: pytorch_model.bin has no {e.args[0]}") from None
-    return kw, state, c.get("boost_tokenizer")
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        integrity.check_meta(path, meta)
+        cfg = llama.Config(**meta["config"])
+        problem = integrity.verify(path, meta)
+    except integrity.Damaged as e:
+        raise ValueError(f"checkpoint {path}: {e}") from None
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint {path}: meta.json is unreadable ({type(e).__name__})") from None
+    if problem:
+        raise ValueError(f"checkpoint {path}: {problem}")
+    model = llama.Llama(cfg)   # the template DCP loads into (a tied head is the embedding: stored once)
+    state = {"model." + name: p.detach() for name, p in model.named_parameters()}
+    error = integrity.dcp_load(state, path, no_dist=True)
+    if error:
+        raise ValueError(error)
+    state = {k[len("model."):]: v for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return cfg, state, meta.get("tokenizer", "bytes")
+
+
+def export(path, out, fmt="pt"):
+    """A checkpoint as one file (pt: torch.save of {'model', 'config', 'tokenizer'}) or as a folder
+    another tool reads (hf, cola: interchange.py)."""
+    cfg, state, tokenizer = checkpoint_state(path)
+    if fmt != "pt":
+        return write(out, state, cfg, fmt, tokenizer)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer}, tmp)
+    os.replace(tmp, out)
+
+
+def import_folder(folder, out_dir, tokenizer=None):
+    """An hf or cola folder as the iteration-0 training checkpoint of a new run in out_dir, which
+    --init_from=resume continues under any layout (fresh AdamW moments). Returns its folder."""
+    import options
+    import rundir
+    kw, state, named = read(folder)
+    tokenizer = tokenizer or named
+    if tokenizer is None:
+        raise ValueError(f"{folder} does not name its tokenizer: pass --tokenizer")
+    if options.vocab_size(tokenizer) != kw["vocab_size"]:
+        raise ValueError(f"the model's vocabulary of {kw['vocab_size']} is not the {options.vocab_size(tokenizer)} "
+                         f"of --tokenizer={tokenizer} (padded to a multiple of 64)")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} is a file: import needs a new or empty out_dir")
+    found = rundir.earlier_run(out_dir)
+    if found:
+        raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): import into a new "
+                         "or empty out_dir")
+    m = llama.Llama(llama.Config(**kw))
+    m.load_state_dict(state)
+    meta = {"config": m.cfg.shape(), "tokenizer": tokenizer, "run_id": rundir.new_run_id(), "imported_from": folder}
+    return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
+
+
+def load_exported(out_file):
+    """A model.Llama from an exported file."""
+    blob = torch.load(out_file, weights_only=True)
+    m = llama.Llama(llama.Config(**blob["config"]))
+    m.load_state_dict(blob["model"])
+    return m, blob["tokenizer"]
+
+
+def _checkpoint_folder(text):
+    if os.path.isdir(os.path.join(text, "checkpoints")):
+        found = train_state.checkpoint_dirs(text)
+        hint = f": pass one of its checkpoints, e.g. {found[-1]}" if found else " and holds no complete checkpoint"
+        raise argparse.ArgumentTypeError(f"{text} is an out_dir, not a checkpoint{hint}")
+    if not os.path.isfile(os.path.join(text, "meta.json")):
+        raise argparse.ArgumentTypeError(f"{text} is not a checkpoint folder (no {os.path.join(text, 'meta.json')})")
+    return text
+
+
+def _new_file(text):
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"the folder {parent} of {text} does not exist")
+    if os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text} exists: remove it or choose another name")
+    return text
+
+
+def _exported_file(text):
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a file (export a checkpoint first)")
+    return text
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def cli(argv):
+    import data
+    import options
+    parser = options.CommandParser(prog="interchange.py", description="Export a training checkpoint (one file, or "
+                                "a folder other tools read), import such a folder as a checkpoint, or sample.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="write a checkpoint as one file (pt) or a Hugging Face / CoLA folder")
+    p.add_argument("checkpoint", type=_checkpoint_folder, help="a folder <out_dir>/checkpoints/iter_NNNNNNN")
+    p.add_argument("out", type=_new_file, help="the file (pt) or folder (hf, cola) to write; must not exist")
+    p.add_argument("--format", default="pt", choices=("pt",) + FORMATS,
+                   help="pt: one torch.save file; hf: Hugging Face Llama (full, or svd merged W = B·A); "
+                        "cola: the official CoLA format (cola models)")
+    p = sub.add_parser("import", help="an hf or cola folder as the training checkpoint of a new run")
+    p.add_argument("folder", help="a folder with config.json and model.safetensors (or pytorch_model.bin)")
+    p.add_argument("out_dir", help="the new run's out_dir; continue with train.py --init_from=resume")
+    p.add_argument("--tokenizer", choices=data.TOKENIZERS, help="default: the one config.json names")
+    p = sub.add_parser("sample", help="generate text from an exported file")
+    p.add_argument("model_file", type=_exported_file)
+    p.add_argument("tokens", type=_positive, nargs="?", default=200, help="tokens to generate (default 200)")
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    if args.command in ("export", "import"):
+        try:
+            if args.command == "export":
+                export(args.checkpoint, args.out, args.format)
+                print(f"exported {args.checkpoint} to {args.out} ({args.format}) in {time.time() - t0:.1f} s")
+            else:
+                path = import_folder(args.folder, args.out_dir, args.tokenizer)
+                print(f"imported {args.folder} as {path}; continue with train.py --out_dir={args.out_dir} --init_from=resume")
+        except ValueError as e:
+            parser.error(str(e))
+        return
+    try:
+        m, tokenizer = load_exported(args.model_file)
+        enc = data.get_tokenizer(tokenizer)
+    except Exception as e:  # not a torch.save file, or not one of ours: unpickling fails many ways
+        parser.error(f"{args.model_file} is not an exported model ({type(e).__name__})")
+    torch.manual_seed(1337)
+    print(sample_text(m, enc, args.tokens))
+
+
+def sample_text(model, enc, n_tokens, device="cpu"):
+    """n_tokens generated after <|endoftext|> (temperature 0.8, top 50), decoded; the ids of the
+    vocabulary's padding are never decoded."""
+    out = model.generate(torch.tensor([[enc.eot_token]], device=device), n_tokens, temperature=0.8, top_k=50)
+    return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -55,15 +55,26 @@ def backend():
 
 
 @contextlib.contextmanager
-def reference():
-    """The PyTorch references inside, whatever select() chose (explain.py records ops with a dispatch
-    mode, to which a Triton launch is invisible)."""
+def using(name):
+    """`name` ("torch", "triton" or "auto") inside, whatever select() chose: the auto timing runs each
+    side this way, and the benches and tests force one."""
     global _backend
-    saved, _backend = _backend, "torch"
+    saved, _backend = _backend, name
     try:
         yield
     finally:
         _backend = saved
+
+
+def reference():
+    """The PyTorch references inside (explain.py records ops with a dispatch mode, to which a Triton
+    launch is invisible)."""
+    return using("torch")
+
+
+def chosen():
+    """What --kernels=auto chose so far: {(op, shape key): "triton" | "torch"}."""
+    return dict(_choices)
 
 
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
@@ -89,10 +100,8 @@ def _which(op, shape_key, fn, args):
 
 def _time(fn, args, name, runs=3):
     """ms of forward + backward of fn under implementation `name`, on copies of args."""
-    global _backend
     import time
-    saved, _backend = _backend, name
-    try:
+    with using(name):
         leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
         sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
         for i in range(runs + 1):
@@ -103,8 +112,6 @@ def _time(fn, args, name, runs=3):
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         sync()
         return (time.perf_counter() - t0) * 1000 / runs
-    finally:
-        _backend = saved
 
 
 # ------------------------------------------------------------------------- PyTorch references
@@ -201,7 +208,7 @@ class NormDown(torch.autograd.Function):
         (M, K), N = x.shape, A.shape[0]
         H = torch.empty(M, N, dtype=x.dtype, device=x.device)
         S = torch.empty(M, dtype=torch.float32, device=x.device)
-        up, ieee = tk._flags(x)
+        up, ieee = tk.dot_flags(x)
         grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
         tk.norm_down_fwd[tk.bits(x)][grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0), H.stride(0), UPCAST=up, IEEE=ieee)
         ctx.save_for_backward(x, gamma, A)
@@ -213,7 +220,7 @@ class NormDown(torch.autograd.Function):
         (M, K), N = x.shape, A.shape[0]
         dH = dH.contiguous()
         dS = torch.zeros(M, dtype=torch.float32, device=x.device) if dS is None else dS.float().contiguous()
-        up, ieee = tk._flags(x)
+        up, ieee = tk.dot_flags(x)
         dx = torch.empty_like(x)
         dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)  # per row block
         grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(K, META["BK"]))
@@ -221,7 +228,8 @@ class NormDown(torch.autograd.Function):
                               UPCAST=up, IEEE=ieee)
         xg = x * gamma                                                     # (M, K)
         dA = torch.empty_like(A)
-        tk.grouped_mm((dH, 1, N), (xg, K, 1), (dA, K, 1), [(N, K, M, 0, 0, 0, 0, 0, 0)])  # dHᵀ·(x⊙γ)
+        tk.grouped_mm(tk.Operand(dH, 1, N), tk.Operand(xg, K, 1), tk.Operand(dA, K, 1),   # dHᵀ·(x⊙γ)
+                      [tk.Group(P=N, Q=K, K=M)], call="dA")
         return dx, dg.sum(0).to(gamma.dtype), dA
 
 
@@ -234,8 +242,8 @@ class GroupedUp(torch.autograd.Function):
         (M, R), r = Z.shape, W.shape[1]
         offsets = [sum(widths[:g]) for g in range(len(widths))]
         Y = torch.empty(M, sum(widths), dtype=Z.dtype, device=Z.device)
-        tk.grouped_mm((Z, R, 1), (W, 1, r), (Y, Y.stride(0), 1),
-                   [(M, n, r, 0, g * r, 0, o, 0, o) for g, (n, o) in enumerate(zip(widths, offsets))])
+        groups = [tk.Group(P=M, Q=n, K=r, a_col=g * r, b_col=o, c_col=o) for g, (n, o) in enumerate(zip(widths, offsets))]
+        tk.grouped_mm(tk.Operand(Z, R, 1), tk.Operand(W, 1, r), tk.Operand(Y, Y.stride(0), 1), groups, call="up")
         ctx.save_for_backward(Z, W)
         ctx.widths = widths
         return Y
@@ -253,8 +261,8 @@ def _up_dz(dY, W, widths):
     (M, n_all), r = dY.shape, W.shape[1]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
     dZ = torch.empty(M, r * len(widths), dtype=dY.dtype, device=dY.device)
-    tk.grouped_mm((dY, n_all, 1), (W, r, 1), (dZ, dZ.shape[1], 1),
-               [(M, r, n, 0, o, o, 0, 0, g * r) for g, (n, o) in enumerate(zip(widths, offsets))])
+    groups = [tk.Group(P=M, Q=r, K=n, a_col=o, b_row=o, c_col=g * r) for g, (n, o) in enumerate(zip(widths, offsets))]
+    tk.grouped_mm(tk.Operand(dY, n_all, 1), tk.Operand(W, r, 1), tk.Operand(dZ, dZ.shape[1], 1), groups, call="dz")
     return dZ
 
 
@@ -264,8 +272,8 @@ def _up_dW(dY, Z, r, widths):
     (M, n_all), R = dY.shape, Z.shape[1]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
     dW = torch.empty(n_all, r, dtype=Z.dtype, device=Z.device)
-    tk.grouped_mm((dY, 1, n_all), (Z, R, 1), (dW, r, 1),
-               [(n, r, M, o, 0, 0, g * r, o, 0) for g, (n, o) in enumerate(zip(widths, offsets))])
+    groups = [tk.Group(P=n, Q=r, K=M, a_row=o, b_col=g * r, c_row=o) for g, (n, o) in enumerate(zip(widths, offsets))]
+    tk.grouped_mm(tk.Operand(dY, 1, n_all), tk.Operand(Z, R, 1), tk.Operand(dW, r, 1), groups, call="dW")
     return dW
 
 
@@ -277,7 +285,7 @@ class RMSNormFn(torch.autograd.Function):
         y = torch.empty_like(x)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, tk.rows()),)
-        tk._rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=triton.next_power_of_2(N))
+        tk.rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=triton.next_power_of_2(N))
         ctx.save_for_backward(x, gamma, rstd)
         return y
 
@@ -288,5 +296,5 @@ class RMSNormFn(torch.autograd.Function):
         dx = torch.empty_like(x)
         grid = (triton.cdiv(M, tk.rows()),)
         dg = torch.empty(grid[0], N, dtype=torch.float32, device=x.device)
-        tk._rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(), BLOCK=triton.next_power_of_2(N))
+        tk.rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(), BLOCK=triton.next_power_of_2(N))
         return dx, dg.sum(0).to(gamma.dtype), None

@@ -18,20 +18,20 @@ width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
 Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
 `Spec` of each parameter) and is tested against it: same loss, same gradients.
 """
-import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 import kernels
-from checkpointing import forward_chunks, run_layers
+from checkpointing import run_layers
 from model import Llama, causal_attention, gated_product, latent_act
-from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
+from parallel import (Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
+from rundir import traced   # a chunk as one labelled range in --profile's traces
 
 LAYOUTS = ("btp", "vanilla", "megatron")
 
@@ -47,10 +47,8 @@ def check_divisible(cfg, tp, layout, pp=1):
         raise ValueError(f"tp_mode=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
     if layout != "megatron" and not cfg.lowrank:
         raise ValueError(f"tp_mode={layout} splits bottlenecks; arch=full uses tp_mode=megatron")
-    if layout != "vanilla":
-        splits = dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
-    else:
-        splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank)
+    splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank) if layout == "vanilla" else \
+        dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
     for name, value in splits.items():
         if value % tp:
             raise ValueError(f"tp={tp} does not divide {name}={value} (tp_mode={layout})")
@@ -59,16 +57,22 @@ def check_divisible(cfg, tp, layout, pp=1):
                          "padded to a multiple of 64): use a tp that divides 64")
 
 
-def traced(chunk):
-    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`; when no
-    profiler runs it costs one check."""
-    @functools.wraps(chunk)
-    def run(block, *args):
-        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no graph break)
-            return chunk(block, *args)
-        with record_function(f"{block.label}: {chunk.__name__}"):
-            return chunk(block, *args)
-    return run
+class Traffic(NamedTuple):
+    """One layer's TP elements per token, forward and backward, and its collectives (both ways)."""
+    fwd: int
+    bwd: int
+    collectives: int
+
+
+def per_layer_traffic(layout, cfg):
+    """The volumes of this module's docstring, written down once (tested equal to the ledger's count;
+    tools/bench.py and tools/costmodel.py use them). cfg: n_embd, mlp_width, kv_dim and the ranks."""
+    d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
+    if layout == "btp":      # q/k/v latents + Σx², o, gate/up + Σx², down; backward their gradients
+        return Traffic((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm, 4 + 4)
+    if layout == "vanilla":  # every B's whole output; backward every A's input gradient
+        return Traffic(d + 2 * kv + d + 2 * f + d, 3 * d + d + 2 * d + f, 7 + 7)
+    return Traffic(2 * d, 2 * d, 2 + 2)   # megatron: after attention and after the MLP
 
 
 @dataclass
@@ -81,9 +85,9 @@ class Spec:
     rows: list
 
 
-def take(full, spec, tp):
+def cut_local(full, spec, tp):
     """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
-    parts = [full[p] if spec.dim is None else full[p].chunk(tp.size, spec.dim)[tp.tp_rank] for p in spec.pieces]
+    parts = [full[name] if spec.dim is None else full[name].chunk(tp.size, spec.dim)[tp.tp_rank] for name in spec.pieces]
     return torch.cat(parts, 0)
 
 
@@ -95,62 +99,56 @@ class Sharded(nn.Module):
         self.tp, self._full, self.specs = tp, full, {}
 
     def shard(self, name, pieces, dim):
-        full_rows = [self._full[p].shape[0] for p in pieces]
+        full_rows = [self._full[piece].shape[0] for piece in pieces]
         spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
-        self.register_parameter(name, nn.Parameter(take(self._full, spec, self.tp).clone()))
+        self.register_parameter(name, nn.Parameter(cut_local(self._full, spec, self.tp).clone()))
         self.specs[name] = spec
 
 
 class BTPBlock(Sharded):
     """One decoder layer under bottleneck-aware TP; the residual stream x is (b, s, d/t)."""
 
-    def __init__(self, cfg, tp, full, p, online_norm=True, grouped=True):
+    def __init__(self, cfg, tp, full, prefix):
         super().__init__(tp, full)
         self.cfg, self.act = cfg, latent_act(cfg.arch)
-        self.online_norm, self.grouped = online_norm, grouped  # False only for bench.py's ablations
-        self.shard("attn_norm", [p + "attn_norm.weight"], 0)
-        self.shard("A_qkv", [p + f"attn.{n}.A.weight" for n in "qkv"], 1)  # (3r, d/t): one GEMM
+        self.shard("attn_norm", [prefix + "attn_norm.weight"], 0)
+        self.shard("A_qkv", [prefix + f"attn.{n}.A.weight" for n in "qkv"], 1)  # (3r, d/t): one GEMM
         for n in "qkv":
-            self.shard(f"B_{n}", [p + f"attn.{n}.B.weight"], 0)            # (heads/t·hd, r)
-        self.shard("A_o", [p + "attn.o.A.weight"], 1)                      # (r, d/t)
-        self.shard("B_o", [p + "attn.o.B.weight"], 0)                      # (d/t, r)
-        self.shard("mlp_norm", [p + "mlp_norm.weight"], 0)
-        self.shard("A_gu", [p + "mlp.gate.A.weight", p + "mlp.up.A.weight"], 1)  # (2r, d/t)
-        self.shard("B_gate", [p + "mlp.gate.B.weight"], 0)                 # (f/t, r)
-        self.shard("B_up", [p + "mlp.up.B.weight"], 0)
-        self.shard("A_down", [p + "mlp.down.A.weight"], 1)                 # (r, f/t)
-        self.shard("B_down", [p + "mlp.down.B.weight"], 0)                 # (d/t, r)
+            self.shard(f"B_{n}", [prefix + f"attn.{n}.B.weight"], 0)            # (heads/t·hd, r)
+        self.shard("A_o", [prefix + "attn.o.A.weight"], 1)                      # (r, d/t)
+        self.shard("B_o", [prefix + "attn.o.B.weight"], 0)                      # (d/t, r)
+        self.shard("mlp_norm", [prefix + "mlp_norm.weight"], 0)
+        self.shard("A_gu", [prefix + "mlp.gate.A.weight", prefix + "mlp.up.A.weight"], 1)  # (2r, d/t)
+        self.shard("B_gate", [prefix + "mlp.gate.B.weight"], 0)                 # (f/t, r)
+        self.shard("B_up", [prefix + "mlp.up.B.weight"], 0)
+        self.shard("A_down", [prefix + "mlp.down.A.weight"], 1)                 # (r, f/t)
+        self.shard("B_down", [prefix + "mlp.down.B.weight"], 0)                 # (d/t, r)
 
-    # The layer as BTP chunks (checkpointing.py recomputes them one by one): each chunk starts from
-    # a replicated latent after its all-reduce and ends with the local partial product of the next A.
-    def norm_down(self, x, gamma, A, r):
-        """The local half of σ(RMSNorm(x)·Aᵀ): the partial [H | S] to all-reduce (online RMSNorm, §3).
-        Ablations: online_norm=False all-reduces S on its own first and returns H alone;
-        grouped=False gives one partial (one GEMM, one all-reduce) per projection."""
-        As = [A] if self.grouped else list(A.split(r))
-        if self.online_norm:
-            parts = [kernels.norm_down(x, gamma, a) for a in As]                 # (b, s, n), (b, s, 1)
-            # the statistic travels in the latents' dtype (bf16 under autocast, like every TP
-            # all-reduce): its rounding is below that of the bf16 output it normalises
-            partials = [torch.cat([H, S.to(H.dtype)], -1) for H, S in parts]     # (b, s, n+1)
-        else:
-            S = x.float().pow(2).sum(-1, keepdim=True)                           # (b, s, 1) partial
-            S = Copy.apply(Reduce.apply(S, self.tp.group), self.tp.group)  # every rank uses it: bwd sums
-            h = (x * torch.rsqrt(S / self.cfg.n_embd + self.cfg.norm_eps)).to(x.dtype) * gamma
-            partials = [h @ a.t() for a in As]                                   # (b, s, n)
-        return partials[0] if self.grouped else partials
+    def forward(self, x, cos, sin):
+        """One layer: five chunks, and between them the layer's only four collectives, each an
+        all-reduce of an r-wide latent (checkpointing.run_layers runs the same chunks with recompute)."""
+        HS = self.reduce(self.qkv_down(x))               # (b, s, 3r+1) q, k, v latents + Σx²
+        u = self.reduce(self.attn_chunk(HS, cos, sin))   # (b, s, r)    the o latent
+        x, HS = self.o_chunk(u, x)                       # (b, s, d/t), (b, s, 2r+1) partial
+        u = self.reduce(self.mlp_chunk(self.reduce(HS)))  # (b, s, r)   the down latent
+        return self.down_chunk(u, x)                     # (b, s, d/t)
+
+    # The chunks. Each starts from a replicated latent after its all-reduce and ends with the local
+    # partial product of the next A, before its all-reduce; so recomputing one issues no collective.
+    def norm_down(self, x, gamma, A):
+        """The local half of σ(RMSNorm(x)·Aᵀ): the partial [H | S] to all-reduce (online RMSNorm, §3)."""
+        H, S = kernels.norm_down(x, gamma, A)            # (b, s, n), (b, s, 1)
+        # the statistic travels in the latents' dtype (bf16 under autocast, like every TP all-reduce):
+        # its rounding is below that of the bf16 output it normalises
+        return torch.cat([H, S.to(H.dtype)], -1)         # (b, s, n+1)
 
     def reduce(self, partial):
-        if isinstance(partial, list):  # ungrouped ablation: an all-reduce per projection
-            parts = [Reduce.apply(p, self.tp.group) for p in partial]
-            return torch.cat([p[..., :-1] for p in parts] + [parts[0][..., -1:]], -1) if self.online_norm \
-                else torch.cat(parts, -1)
+        """The latent's all-reduce: the sum of the ranks' partials (backward: the identity)."""
         return Reduce.apply(partial, self.tp.group)
 
     def latent(self, HS):
         """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S], replicated."""
-        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps) \
-            if self.online_norm else HS
+        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps)
         return self.act(z)                                                       # (b, s, n)
 
     def up(self, z, Bs):
@@ -160,7 +158,7 @@ class BTPBlock(Sharded):
 
     @traced
     def qkv_down(self, x):
-        return self.norm_down(x, self.attn_norm, self.A_qkv, self.cfg.attn_rank)  # (b, s, 3r+1) partial
+        return self.norm_down(x, self.attn_norm, self.A_qkv)                    # (b, s, 3r+1) partial
 
     @traced
     def attn_chunk(self, HS, cos, sin):
@@ -173,7 +171,7 @@ class BTPBlock(Sharded):
     @traced
     def o_chunk(self, u, x):
         x = x + self.up(self.act(u), [self.B_o])[0]                              # (b, s, d/t)
-        return x, self.norm_down(x, self.mlp_norm, self.A_gu, self.cfg.mlp_rank)  # (b, s, 2r+1) partial
+        return x, self.norm_down(x, self.mlp_norm, self.A_gu)                   # (b, s, 2r+1) partial
 
     @traced
     def mlp_chunk(self, HS):
@@ -186,26 +184,30 @@ class BTPBlock(Sharded):
     def down_chunk(self, u, x):
         return x + self.up(self.act(u), [self.B_down])[0]                        # (b, s, d/t)
 
-    forward = forward_chunks
-
 
 class VanillaBlock(Sharded):
     """One layer under vanilla low-rank TP: replicated x (b, s, d), each A/B pair a Megatron MLP."""
 
-    def __init__(self, cfg, tp, full, p):
+    def __init__(self, cfg, tp, full, prefix):
         super().__init__(tp, full)
         self.cfg, self.act = cfg, latent_act(cfg.arch)
-        self.shard("attn_norm", [p + "attn_norm.weight"], None)
-        self.shard("mlp_norm", [p + "mlp_norm.weight"], None)
+        self.shard("attn_norm", [prefix + "attn_norm.weight"], None)
+        self.shard("mlp_norm", [prefix + "mlp_norm.weight"], None)
         for name in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"):
             key = name.replace(".", "_")
-            self.shard(f"{key}_A", [p + name + ".A.weight"], 0)    # (r/t, d_in)
-            self.shard(f"{key}_B", [p + name + ".B.weight"], 1)    # (d_out, r/t)
+            self.shard(f"{key}_A", [prefix + name + ".A.weight"], 0)    # (r/t, d_in)
+            self.shard(f"{key}_B", [prefix + name + ".B.weight"], 1)    # (d_out, r/t)
 
-    # The same chunk boundaries as BTP (checkpointing.py), but here the latents are local r/t
-    # slices and every B ends in an all-reduce of d_out, inside the chunk.
+    def forward(self, x, cos, sin):
+        """One layer: BTP's chunks, but the latents are local r/t slices and each of the seven B's
+        ends in an all-reduce of its whole output (d, kv or f wide) inside its chunk."""
+        z = self.attn_chunk(self.qkv_down(x), cos, sin)  # (b, s, r/t) the o latent slice
+        x, z = self.o_chunk(z, x)                        # (b, s, d), (b, s, 2r/t)
+        return self.down_chunk(self.mlp_chunk(z), x)     # (b, s, d)
+
+    # The chunks, with BTP's boundaries (checkpointing.run_layers recomputes them one by one).
     def reduce(self, partial):
-        return partial  # a column-parallel A gives this rank's latent slice whole
+        return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
 
     def down(self, h, *keys):
         """Each column-parallel A after its own Copy (one backward all-reduce per A, as in the
@@ -245,23 +247,21 @@ class VanillaBlock(Sharded):
     def down_chunk(self, u, x):
         return x + self.up(u, "mlp_down")                                         # (b, s, d)
 
-    forward = forward_chunks
-
 
 class MegatronBlock(Sharded):
     """One dense layer under Megatron TP: replicated x (b, s, d), heads and d_ff split."""
 
-    def __init__(self, cfg, tp, full, p):
+    def __init__(self, cfg, tp, full, prefix):
         super().__init__(tp, full)
         self.cfg = cfg
-        self.shard("attn_norm", [p + "attn_norm.weight"], None)
-        self.shard("mlp_norm", [p + "mlp_norm.weight"], None)
+        self.shard("attn_norm", [prefix + "attn_norm.weight"], None)
+        self.shard("mlp_norm", [prefix + "mlp_norm.weight"], None)
         for n in ("q", "k", "v"):
-            self.shard(f"W_{n}", [p + f"attn.{n}.weight"], 0)      # (heads/t·hd, d)
-        self.shard("W_o", [p + "attn.o.weight"], 1)                 # (d, d/t)
-        self.shard("W_gate", [p + "mlp.gate.weight"], 0)            # (f/t, d)
-        self.shard("W_up", [p + "mlp.up.weight"], 0)
-        self.shard("W_down", [p + "mlp.down.weight"], 1)            # (d, f/t)
+            self.shard(f"W_{n}", [prefix + f"attn.{n}.weight"], 0)      # (heads/t·hd, d)
+        self.shard("W_o", [prefix + "attn.o.weight"], 1)                 # (d, d/t)
+        self.shard("W_gate", [prefix + "mlp.gate.weight"], 0)            # (f/t, d)
+        self.shard("W_up", [prefix + "mlp.up.weight"], 0)
+        self.shard("W_down", [prefix + "mlp.down.weight"], 1)            # (d, f/t)
 
     @traced
     def forward(self, x, cos, sin):
@@ -279,17 +279,16 @@ BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
 
 
 class TPLlama(Sharded):
-    """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss).
-
-    Logits come back vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without.
+    """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss), the
+    logits vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without.
     As pipeline stage `stage` of `stages` it holds n_layer/stages layers, the embedding on the first
     stage and the final norm and LM head on the last; between stages the residual stream travels as
-    it is held here, (b, s, d/t) under btp, and the last stage returns the logits for the schedule's
-    loss (parallel.Pipeline). With tied embeddings every TP rank of the first and the last stage holds
-    the matrix whole and uses its slices (`embedding`, `head`); parallel.reduce_tied_grad sums the
-    gradients of the uses after backward."""
+    held here ((b, s, d/t) under btp), and the last stage returns the logits for the schedule's loss
+    (parallel.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
+    whole and uses its slices (`embedding`, `head`); parallel.reduce_tied_grad sums their gradients.
+    `block` replaces the layout's layer class (tools/ablations.py)."""
 
-    def __init__(self, model, tp, layout, stage=0, stages=1, **btp_options):
+    def __init__(self, model, tp, layout, stage=0, stages=1, block=None):
         check_divisible(model.cfg, tp.size, layout)
         full = {k: v.detach() for k, v in model.state_dict().items()}
         super().__init__(tp, full)
@@ -301,7 +300,7 @@ class TPLlama(Sharded):
             self.shard("tok_emb", ["tok_emb.weight"], None)  # stage): the two uses take other slices, (V, d)
         elif self.first:
             self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
-        self.layers = nn.ModuleList(BLOCKS[layout](model.cfg, tp, full, f"layers.{i}.", **btp_options)
+        self.layers = nn.ModuleList((block or BLOCKS[layout])(model.cfg, tp, full, f"layers.{i}.")
                                     for i in range(stage * per_stage, (stage + 1) * per_stage))
         for i, layer in enumerate(self.layers, stage * per_stage):
             layer.label = f"{layout} layer {i}"  # in profiler traces
@@ -373,8 +372,8 @@ class TPLlama(Sharded):
             else:
                 shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
                 dist.all_gather(shards, local_t.contiguous(), group=self.tp.group)
-            for p, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
-                out[p] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
+            for piece, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
+                out[piece] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
         return out
 
     generate = Llama.generate
@@ -387,11 +386,10 @@ class TPLlama(Sharded):
             g = params[name].grad
             if g is None or (name == "tok_emb" and self.tied and not self.first):
                 continue  # (the tied embedding of the last stage is the first stage's: counted there)
-            sq = g.double().pow(2).sum()
             if spec.dim is None:
-                replicated = replicated + sq
+                replicated = replicated + g.double().pow(2).sum()
             else:
-                sharded = sharded + sq
+                sharded = sharded + g.double().pow(2).sum()
         if self.tp.size > 1:
             dist.all_reduce(sharded, group=self.tp.group)
         return sharded + replicated

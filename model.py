@@ -7,7 +7,7 @@ BOOST (arXiv 2512.12131) section 2 / CoLA (arXiv 2502.10940): every projection o
 
 with σ = SiLU (`arch=cola`) or the identity (`arch=svd`, a plain factorised W = B·A). `arch=full` is
 the dense Llama baseline. Embedding and LM head stay dense. This file is the single-device
-reference: parallel.py shards exactly these weights and is tested against this forward pass.
+reference: layouts.py shards exactly these weights and is tested against this forward pass.
 
 Notation in shape comments: b batch, s sequence, d n_embd, r bottleneck rank, h heads, hd head dim.
 """

@@ -6,11 +6,13 @@ TrainConfig's; names follow nanoGPT. A wrong name (with the closest ones suggest
 wrong type or out of range, a shape that cannot be built or a layout that cannot split it is a
 ValueError with one clear line, which train.py prints as `error: ...` and exits 2, before any work.
 """
+import argparse
 import difflib
 import inspect
 import math
 import os
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, fields
 
@@ -127,6 +129,8 @@ def read_config_file(path, known):
         raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     out = {}
     for key, value in table.items():
         if isinstance(value, dict):
@@ -139,9 +143,27 @@ def read_config_file(path, known):
     return out
 
 
+# options of one launch, never taken from the record of the run a launch resumes
+PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "tp_mode", "pp_schedule",
+              "overlap", "compile", "kernels", "profile", "explain", "inject_fault", "num_proc", "data_dir",
+              "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens"}
+NOTED = ("dataset", "seed", "tokenizer", "text_field", "val_fraction")   # a resume says when these change
+
+
 def parse_args(argv):
     """[config.toml] --key=value arguments -> (model Config, TrainConfig): the file's values first,
     then the command line's; raises ValueError with one clear line."""
+    return _parse(argv, {})[:2]
+
+
+def resume_args(argv, recorded):
+    """parse_args for a launch that continues a run: the model, data and schedule options the run
+    recorded (`recorded`: its checkpoint's config and train_config) where argv does not give them.
+    Returns (Config, TrainConfig, the NOTED options argv changes, as 'key=old -> new')."""
+    return _parse(argv, {k: v for k, v in recorded.items() if k not in PER_LAUNCH})
+
+
+def _parse(argv, recorded):
     known, texts, given = options(), {}, {Config: {}, TrainConfig: {}}
     if argv and not argv[0].startswith("-"):
         if not argv[0].endswith(".toml"):
@@ -155,6 +177,11 @@ def parse_args(argv):
         if key not in known:
             raise _unknown(key, known, "")
         texts[key] = (text, f"--{key}")
+    changed = [f"{k}={recorded[k]} -> {texts[k][0]}" for k in NOTED if k in texts and k in recorded
+               and str(recorded[k]) != texts[k][0]]
+    for key, value in recorded.items():
+        if key in known and key not in texts:
+            texts[key] = (str(value), f"{key} (recorded by the run)")
     for key, (text, where) in texts.items():
         cls, f = known[key]
         value = _convert(where, type(f.default), text)
@@ -163,7 +190,7 @@ def parse_args(argv):
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
     check_values(tc)
-    return Config(**given[Config]), tc
+    return Config(**given[Config]), tc, changed
 
 
 def check_values(tc):
@@ -191,7 +218,7 @@ def check_values(tc):
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 0 and below 1")
     if 0 < tc.lr_decay_iters < tc.warmup_iters:
         raise ValueError(f"lr_decay_iters={tc.lr_decay_iters} ends before warmup_iters={tc.warmup_iters}")
-    if tc.inject_fault and (tc.inject_fault.split(":")[0] not in FAULTS or not tc.inject_fault.split(":")[-1].isdigit()):
+    if tc.inject_fault and not re.fullmatch(f"({'|'.join(FAULTS)}):\\d+", tc.inject_fault):
         raise ValueError(f"inject_fault={tc.inject_fault} is not kill:N, nan:N or kill_in_save:N")
     if tc.profile:
         wait, _, active = tc.profile.partition(":")
@@ -204,10 +231,22 @@ def check_values(tc):
             raise ValueError("explain=true runs one step and exits: there is nothing for profile to trace")
     if tc.overwrite and tc.init_from != "scratch":
         raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} continues it: choose one")
-    data.check_prepare_options(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
+    check_preparation(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
     if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
         raise ValueError(f"out_dir={tc.out_dir} is a file, not a folder")
     check_device(tc.device)
+
+
+def check_preparation(dataset, data_dir, num_proc, val_fraction):
+    """ValueError naming the option where a preparation option is out of range."""
+    if dataset != data.EMBEDDED and not os.path.exists(dataset):
+        raise ValueError(f"dataset path {dataset} does not exist")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ValueError(f"data_dir={data_dir} is a file, not a folder")
+    if num_proc < 0:
+        raise ValueError(f"num_proc={num_proc} must not be negative (0: every CPU)")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
 
 
 def check_device(device):
@@ -245,3 +284,12 @@ def plan_parallel(cfg, tc, world):
     return dp, layout
 
 
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for the commands beside train.py (prepare.py, interchange.py): an error is one
+    `error:` line and exit status 2, as train.py's."""
+
+    def error(self, message):
+        print(f"error: {message} (-h for help)", file=sys.stderr)
+        sys.exit(2)

@@ -4,7 +4,7 @@ BOOST (arXiv 2512.12131) sections 2 and 6. The collectives are Megatron's pair f
 plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entropy), each an autograd
 Function with an explicit group; CopyUp is f fused with the GEMMs after it, so that backward overlaps
 its all-reduce with the weight gradients (--overlap). Every collective records its op, group, phase
-and size in LEDGER; train.py logs it per iteration, bench.py compares it with the formulas and
+and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it with the formulas and
 explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 """
@@ -24,7 +24,7 @@ import kernels
 # ------------------------------------------------------------------------------------ the ledger
 
 class Ledger:
-    """Every collective records (op, group, phase) -> [elements, bytes, calls]; train.py and bench.py
+    """Every collective records (op, group, phase) -> [elements, bytes, calls]; train.py and tools/bench.py
     read it.
 
     Elements are those of the collective's result (b·s·n for an all-reduce of n features per token,
@@ -58,7 +58,7 @@ class Ledger:
 LEDGER = Ledger()
 
 
-# bench.py's lower bound: True skips every collective (the ledger still counts them), so a step
+# tools/bench.py's lower bound: True skips every collective (the ledger still counts them), so a step
 # costs only its computation. Its results are wrong on purpose; no training option sets it.
 NO_COMM = False
 
@@ -261,7 +261,7 @@ def column_parallel(x, Ws, tp, sliced=False):
 
 
 def exit_worker(world):
-    """The end of a spawned worker (tests, bench.py): leave the group together, then exit at once: at
+    """The end of a spawned worker (tests, tools/bench.py): leave the group together, then exit at once: at
     interpreter teardown gloo's threads can abort the process ('terminate called without an active
     exception')."""
     if world > 1:

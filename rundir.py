@@ -22,6 +22,7 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
   optimizer step labelled), replacing the files of an earlier profile there.
 """
 import fcntl
+import functools
 import json
 import os
 import resource
@@ -33,6 +34,8 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
+
 
 def lock(out_dir):
     """Take <out_dir>/run.lock and return its open file (held while the caller keeps it open);
@@ -69,7 +72,7 @@ def _checkpoint_folders(out_dir):
         if os.path.isdir(folder) else []
 
 
-def _earlier_run(out_dir):
+def earlier_run(out_dir):
     """What an earlier run left in out_dir: a list of 'N checkpoints', 'metrics.jsonl'."""
     found = []
     ckpts = _checkpoint_folders(out_dir)
@@ -93,7 +96,7 @@ def _restarted_job(out_dir):
 
 def check_scratch(out_dir, overwrite):
     """Before a run from scratch: ValueError if out_dir holds an earlier run (unless overwrite)."""
-    found = _earlier_run(out_dir)
+    found = earlier_run(out_dir)
     if found and not overwrite and not _restarted_job(out_dir):
         raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): continue it with "
                          "--init_from=resume, choose another --out_dir, or discard it with --overwrite=true")
@@ -127,6 +130,18 @@ class Metrics:
 
     def __init__(self, out_dir, active):
         self.f = open(os.path.join(out_dir, "metrics.jsonl"), "a") if active else None
+
+    @classmethod
+    def start(cls, out_dir, active, run_id, argv, resumed_from=None, iter_num=0):
+        """The log of a run that starts or resumes: run.json written, the first event appended."""
+        metrics = cls(out_dir, active)
+        if active:
+            write_run(out_dir, run_id, argv)
+            if resumed_from:
+                metrics.event("resume", iter=iter_num, checkpoint=resumed_from, run_id=run_id)
+            else:
+                metrics.event("start", run_id=run_id, argv=argv)
+        return metrics
 
     def write(self, record):
         if self.f:
@@ -204,22 +219,35 @@ def duration(seconds):
     return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
 
 
-def profiler(spec, out_dir, rank, log):
+def profiler(spec, out_dir, rank, log, steps=None):
     """--profile=W:A: a started torch.profiler.profile that records A steps after the first W of this
-    run (train.py calls .step() after each) and writes <out_dir>/trace/rank<N>.json; None without it."""
+    run (train.py calls .step() after each) and writes <out_dir>/trace/rank<N>.json; None without it.
+    `steps`: how many this run will train (a resumed run may train fewer than W + A)."""
     if not spec:
         return None
-    import torch
     wait, active = (int(n) for n in spec.split(":"))
+    held = active if steps is None else max(0, min(active, steps - wait))
     path = os.path.join(out_dir, "trace", f"rank{rank}.json")
 
     def write(prof):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         prof.export_chrome_trace(path)
-        log(f"profile: wrote {os.path.join(out_dir, 'trace')}/rank<N>.json ({active} steps after the first {wait} of "
+        log(f"profile: wrote {os.path.join(out_dir, 'trace')}/rank<N>.json ({held} steps after the first {wait} of "
             "this run); open one in https://ui.perfetto.dev or chrome://tracing")
     prof = torch.profiler.profile(
         schedule=torch.profiler.schedule(wait=max(wait - 1, 0), warmup=min(wait, 1), active=active, repeat=1),
         on_trace_ready=write, record_shapes=True)
     prof.start()
     return prof
+
+
+def traced(chunk):
+    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`; when no
+    profiler runs it costs one check (layouts.py's chunks)."""
+    @functools.wraps(chunk)
+    def run(block, *args):
+        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no graph break)
+            return chunk(block, *args)
+        with record_function(f"{block.label}: {chunk.__name__}"):
+            return chunk(block, *args)
+    return run

@@ -8,11 +8,12 @@ architecture (A100, sm_80: BK 32, cp.async pipelines of 3-4 stages; H100/H200, s
 wgmma), keyed on the shapes, as in Triton's matmul tutorials and Liger-Kernel. Under Triton's CPU
 interpreter (TRITON_INTERPRET=1, set here when there is no CUDA) there is one small configuration,
 and bf16 tiles are upcast since the interpreter's bf16 dots are wrong. test_kernels.py compiles every
-configuration for sm_80 and sm_90 without a GPU (gpu_compile.py) and checks tensor-core
+configuration for sm_80 and sm_90 without a GPU (tools/gpu_compile.py) and checks tensor-core
 instructions and that nothing spills.
 """
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -26,7 +27,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # (block rows, block columns, block K, num_warps, num_stages) of the GEMM-shaped kernels, per GPU
 # architecture and input width: bf16/fp16 tiles feed the tensor cores (mma on sm_80, wgmma on sm_90);
 # fp32 inputs take exact IEEE dots on the FMA units and get smaller tiles. Every entry compiles
-# without register spills for every kernel (gpu_compile.py; BK 64 spilled on sm_90 in the grouped GEMM)
+# without register spills for every kernel (tools/gpu_compile.py; BK 64 spilled on sm_90 in the grouped GEMM)
 GEMM_CONFIGS = {
     (80, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
     (90, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 3)],
@@ -53,7 +54,7 @@ def gemm_configs(names, bits, arch_=None):
     return [triton.Config(dict(zip(names, r[:3])), num_warps=r[3], num_stages=r[4]) for r in rows]
 
 
-def _flags(t):
+def dot_flags(t):
     """(UPCAST, IEEE): upcast tiles under the interpreter; exact fp32 dots for fp32 inputs."""
     return INTERPRET, t.dtype == torch.float32
 
@@ -115,12 +116,12 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
 
 @triton.jit
 def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq, P_KEY, Q_KEY, K_KEY,
-                G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                CALL_KEY, G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K and
     the row and column offsets of A_g, B_g, C_g inside A, B, C; the programs take the groups' tiles
     in order, each finding its group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest group's
-    sizes) are only the autotuner's key."""
+    sizes) and CALL_KEY (which of CALLS launched it: their strides differ) are only the autotuner's key."""
     t = tl.program_id(0)
     g = 0
     first = 0
@@ -151,7 +152,7 @@ def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_c
 
 
 @triton.jit
-def _rms_fwd(x_ptr, g_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rms_fwd(x_ptr, g_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -163,7 +164,7 @@ def _rms_fwd(x_ptr, g_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK
             tl.store(rstd_ptr + row, rstd)
 
 @triton.jit
-def _rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)); this program's partial dγ = Σ_rows dy⊙x̂."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -191,7 +192,11 @@ def _tuned(fn, names, key, **options):
 
 norm_down_fwd = _tuned(_norm_down_fwd, ("BM", "BN", "BK"), ["M", "N", "K"])
 norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M", "N", "K"], reset_to_zero=["dg_ptr"])  # unused rows stay 0
-grouped = _tuned(_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "G"])
+grouped = _tuned(_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"])
+CALLS = ("up", "dz", "dW", "dA")   # the grouped products kernels.py launches
+# the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here
+JIT = {"norm_down_fwd": _norm_down_fwd, "norm_down_dx": _norm_down_dx, "grouped_mm": _grouped_mm,
+       "rms_fwd": rms_fwd, "rms_bwd": rms_bwd}
 MIN_BM = min(c.kwargs["BM"] for bits in (16, 32) for c in gemm_configs(("BM", "BN", "BK"), bits))
 
 
@@ -205,17 +210,38 @@ def _meta(groups, device):
     return torch.tensor(groups, dtype=torch.int32, device=device)  # int32: 32-bit index arithmetic
 
 
-def grouped_mm(A, B, C, groups):
-    """Launch _grouped_mm: groups is a list of (P, Q, K, a_row, a_col, b_row, b_col, c_row, c_col);
-    A, B, C are given as (tensor, stride along P/K, stride along K/Q) views via their strides."""
-    (a, s_ap, s_ak), (b, s_bk, s_bq), (c, s_cp, s_cq) = A, B, C
-    groups = tuple(map(tuple, groups))
-    up, ieee = _flags(a)
+class Operand(NamedTuple):
+    """A matrix of a grouped product as its tensor and two strides: along P and K for A, K and Q
+    for B, P and Q for C. Swapping the strides reads the matrix transposed, without a copy."""
+    t: torch.Tensor
+    s_outer: int
+    s_inner: int
+
+
+class Group(NamedTuple):
+    """One product C_g (P, Q) = A_g (P, K) · B_g (K, Q) of a grouped launch, and where its blocks
+    start inside A, B and C (row and column offsets, in the operands' own P/K/Q coordinates)."""
+    P: int
+    Q: int
+    K: int
+    a_row: int = 0
+    a_col: int = 0
+    b_row: int = 0
+    b_col: int = 0
+    c_row: int = 0
+    c_col: int = 0
+
+
+def grouped_mm(A, B, C, groups, call):
+    """Launch _grouped_mm over the Groups of the Operands A, B, C. `call` names the caller's stride
+    pattern ("up", "dz", "dW", "dA"): the autotuner keeps tiles per call."""
+    groups = tuple(tuple(g) for g in groups)
+    up, ieee = dot_flags(A.t)
     grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"]) for g in groups),)
-    grouped[bits(a)][grid](a, b, c, _meta(groups, c.device), s_ap, s_ak, s_bk, s_bq, s_cp, s_cq,
-                  max(g[0] for g in groups), max(g[1] for g in groups), max(g[2] for g in groups),
-                  G=len(groups), UPCAST=up, IEEE=ieee)
-    return c
+    grouped[bits(A.t)][grid](A.t, B.t, C.t, _meta(groups, C.t.device), A.s_outer, A.s_inner, B.s_outer, B.s_inner,
+                             C.s_outer, C.s_inner, max(g[0] for g in groups), max(g[1] for g in groups),
+                             max(g[2] for g in groups), CALLS.index(call), G=len(groups), UPCAST=up, IEEE=ieee)
+    return C.t
 
 
 def rows():

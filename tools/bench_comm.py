@@ -1,4 +1,4 @@
-"""bench_comm.py: `python bench.py comm`: how much of a TP step is exposed communication, per layout.
+"""bench_comm.py: `python tools/bench.py comm`: how much of a TP step is exposed communication, per layout.
 
 BOOST (arXiv 2512.12131) §2-4 and §7: BTP moves fewer bytes than Megatron TP but issues more
 collectives. Each layout (megatron for the dense model, vanilla and btp for CoLA) is timed three
@@ -15,8 +15,11 @@ through torch.distributed.pipelining, 2 micro-batches).
 """
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
 
 CASES = (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"))
 MODES = ("plain", "overlap", "no comm")
@@ -38,9 +41,9 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
     runs = {}
     for arch, layout in CASES:
         for mode in MODES:
-            env = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=mode == "overlap")
+            tp_handle = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=mode == "overlap")
             torch.manual_seed(0)
-            model = layouts.TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"})), env, layout,
+            model = layouts.TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"})), tp_handle, layout,
                                     stage=pp_rank, stages=pp)
             pipe = parallel.Pipeline(model, mesh, 2, "1f1b", "cpu") if pp > 1 else None
             runs[(f"{arch}/{layout}", mode)] = (model, pipe, torch.optim.AdamW(model.parameters(), lr=1e-4))

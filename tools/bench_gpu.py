@@ -1,4 +1,4 @@
-"""bench_gpu.py: `python bench.py gpu`: the first measurements on one GPU, in one command (< 5 minutes).
+"""bench_gpu.py: `python tools/bench.py gpu`: the first measurements on one GPU, in one command (< 5 minutes).
 
 BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, written to <json_dir>/bench-gpu.json and printed:
 
@@ -13,9 +13,13 @@ BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, written to <json_dir>/bench-
 Nothing here runs without CUDA; tests check the shapes and the plumbing on the CPU with tiny shapes.
 """
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
 
 TOKENS = 4 * 4096
 TP = 4
@@ -66,16 +70,13 @@ def measure_op(op, input_shapes, flops, impl, device, dtype, runs=10):
     fn = {"norm_down": lambda x, gm, A: kernels.norm_down(x, gm, A),
           "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
           "rms_norm": lambda x, gm: [kernels.rms_norm(x, gm, 1e-6)]}[op]
-    saved, kernels._backend = kernels._backend, impl
-    try:
-        fwd = timed(lambda: fn(*inputs), device, runs)
 
-        def both():
-            outs = [o for o in fn(*inputs) if o.requires_grad]
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    def both():
+        outs = [o for o in fn(*inputs) if o.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    with kernels.using(impl):
+        fwd = timed(lambda: fn(*inputs), device, runs)
         fwd_bwd = timed(both, device, runs)
-    finally:
-        kernels._backend = saved
     out = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
     if flops:
         out["tflops_fwd"] = flops / fwd / 1e9
@@ -96,15 +97,10 @@ def matmul_peak(device, dtype=torch.bfloat16, n=8192):
 
 def train_step(cfg, device, compile_, batch=1, runs=5):
     """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
-    import checkpointing
-    import kernels
-    from model import Llama
-    torch.manual_seed(0)
-    model = Llama(cfg, layer_runner=checkpointing.run_layers).to(device)
-    if cfg.lowrank and kernels.backend() != "torch":
-        import layouts
-        import parallel
-        model = layouts.TPLlama(model, parallel.TP(None, 0, 1), "btp").to(device)
+    import options
+    import train
+    # built as train.py builds it: with the kernels on, the BTP layer with a TP group of one
+    model = train.build_model(cfg, options.TrainConfig(seed=0), train.Placement(1, 1, str(device)), "btp")[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=str(device).startswith("cuda"))
     run = torch.compile(model) if compile_ else model
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device)

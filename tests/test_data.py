@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import corpus
 import data
 import prepare
-from conftest import ROOT, TINY, losses, metrics
+from conftest import ROOT, TINY, expect_error, losses, metrics
 
 EOT = 256  # the bytes tokenizer's <|endoftext|>
 
@@ -29,7 +30,7 @@ def documents(n, seed=0, size=(200, 3000)):
     words = ["alpha", "beta", "gamma", "delta", "ünï", "code", "x = 1", "def f():", "\t", "42"]
     docs = []
     for i in range(n):
-        length = rng.randint(*size) if i % 50 else 3 * prepare.PIECE  # every 50th spans several pieces
+        length = rng.randint(*size) if i % 50 else 3 * corpus.PIECE  # every 50th spans several pieces
         text = f"doc {i}:"
         while len(text) < length:
             text += rng.choice(words) + rng.choice([" ", " ", "\n"])
@@ -67,7 +68,7 @@ def run(dataset, data_dir, *args, **kwargs):
 @pytest.mark.parametrize("tokenizer", ["bytes", "gpt2"])
 def test_same_files_for_one_and_two_workers(tmp_path, tokenizer):
     if tokenizer == "gpt2" and "TIKTOKEN_CACHE_DIR" not in os.environ:
-        pytest.skip("no offline tiktoken cache (../shared/tiktoken_cache)")
+        pytest.skip("TIKTOKEN_CACHE_DIR is not set: no GPT-2 vocabulary without a download")
     src = write_jsonl(tmp_path / "c.jsonl", documents(1500))   # about 2.5 MB: several tasks
     one = prepare.prepare(str(src), tokenizer, tmp_path / "one", num_proc=1, log=lambda *a: None)
     two = prepare.prepare(str(src), tokenizer, tmp_path / "two", num_proc=2, log=lambda *a: None)
@@ -162,7 +163,7 @@ def test_killed_preparation_is_redone_and_never_read(tmp_path):
     write_jsonl(big, documents(400) * 60)                # about 40 MB: several seconds
     code = "import sys, prepare; prepare.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=1)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(big), str(tmp_path / "d")], cwd=ROOT)
-    out = data.prepared_dir(str(big), "bytes", tmp_path / "d")
+    out = prepare.prepared_dir(str(big), "bytes", tmp_path / "d")
     deadline = time.time() + 60
     while not list(out.glob("*.tmp")) and time.time() < deadline:
         time.sleep(0.05)
@@ -194,7 +195,7 @@ def test_two_processes_preparing_at_once(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert sum("data: prepared" in o for o in outs) == 1   # the other one waited, then reused the files
-    assert tokens(data.prepared_dir(str(src), "bytes", tmp_path / "d")) == tokens(run(src, tmp_path / "e", num_proc=1)[0])
+    assert tokens(prepare.prepared_dir(str(src), "bytes", tmp_path / "d")) == tokens(run(src, tmp_path / "e", num_proc=1)[0])
 
 
 # ---------------------------------------------------------------------------- progress, the command, torchrun
@@ -234,7 +235,7 @@ def test_torchrun_ranks_wait_for_rank_0_past_the_timeout(tmp_path):
     """Rank 0 is kept waiting 8 s on the preparation lock (as behind a long preparation); with a 3 s
     process-group timeout the other rank must wait outside any collective."""
     src = write_txt(tmp_path / "c", documents(60))
-    out = data.prepared_dir(str(src), "bytes", tmp_path / "d")
+    out = prepare.prepared_dir(str(src), "bytes", tmp_path / "d")
     out.mkdir(parents=True)
     with open(out / "prepare.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -249,3 +250,21 @@ def test_torchrun_ranks_wait_for_rank_0_past_the_timeout(tmp_path):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert "data: prepared" in stdout and len(losses(metrics(tmp_path / "o"))) == 2
+
+
+def test_changed_token_file_is_prepared_again_and_foreign_ids_refused(capsys, tmp_path):
+    """A token file overwritten at the same size (in-vocabulary ids, so no size or range check sees
+    it) fails its checksum on reuse and is prepared again; ids past the model's vocabulary are a
+    one-line error before training."""
+    lines = []
+    out = prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lines.append)
+    original = (out / "train.bin").read_bytes()
+    (out / "train.bin").write_bytes(original[::-1])   # the same bytes in another order
+    assert prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lines.append) == out
+    assert any("train.bin fails its checksum (changed since it was prepared): preparing again" in x for x in lines)
+    assert (out / "train.bin").read_bytes() == original
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["max_id"] == 256 and meta["train_crc32"] == data.crc32(out / "train.bin")
+    (out / "meta.json").write_text(json.dumps({**meta, "max_id": 400}))   # as from a larger vocabulary
+    expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", *TINY],
+                 "holds token ids up to 400, the model's vocabulary has 320")

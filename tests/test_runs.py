@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import integrity
 import options
+import train
 import train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
 
@@ -110,7 +112,7 @@ def test_flipped_byte_is_detected_and_the_previous_checkpoint_used(tmp_path, dat
     assert losses(records[resume:]) == straight[4:]   # bit for bit
     assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == ["iter_0000004", "iter_0000008"]
     meta = json.loads((newest / "meta.json").read_text())
-    assert train_state.verify(str(newest), meta) is None   # rewritten whole by the resumed run
+    assert integrity.verify(str(newest), meta) is None   # rewritten whole by the resumed run
 
 
 # ---------------------------------------------------------------------------- interrupts
@@ -225,7 +227,7 @@ def one_checkpoint(tmp_path_factory, data_dir):
 ])
 def test_export_and_sample_arguments(one_checkpoint, args, fragment):
     fill = dict(out=one_checkpoint, ckpt=one_checkpoint / "checkpoints" / "iter_0000002")
-    res = subprocess.run([sys.executable, str(ROOT / "train_state.py"), *(a.format(**fill) for a in args)],
+    res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), *(a.format(**fill) for a in args)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     err = res.stderr.strip()
     assert res.returncode == 2 and err.startswith("error: ") and "\n" not in err, err
@@ -251,3 +253,19 @@ def test_log_and_metrics_say_where_the_run_stands(capsys, tmp_path, data_dir):
     assert f"saved checkpoint {ckpt}" not in out and (ckpt / "meta.json").stat().st_mtime_ns == written
     resume = [r for r in metrics(tmp_path, events=True) if r.get("event") == "resume"]
     assert resume == [{**resume[0], "iter": 4, "checkpoint": str(ckpt)}]
+
+
+def test_resume_continues_the_recorded_run(capsys, tmp_path, data_dir):
+    """--init_from=resume alone continues the run with the options it recorded (the model, the seed,
+    the schedule), says when a given data option differs, and refuses a max_iters with nothing left."""
+    run_train(tmp_path, data_dir, "--max_iters=4", "--eval_interval=2", "--n_layer=1", "--seed=7")
+    capsys.readouterr()
+    bare = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", "--init_from=resume", "--sample_tokens=0"]
+    train.main([*bare, "--max_iters=6"])   # none of the model options given: they are the run's
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "(iteration 4)" in out and "resume:" not in out
+    assert [r["iter"] for r in metrics(tmp_path) if "loss" in r][-2:] == [4, 5]
+    train.main([*bare, "--max_iters=8", "--seed=8"])
+    assert "resume: seed=7 -> 8 (as given; the run had the first)" in capsys.readouterr().out
+    expect_error(capsys, [*bare, "--max_iters=8"], "max_iters=8 is not past iteration 8", "pass a larger --max_iters")
+    expect_error(capsys, [*bare, "--max_iters=10", "--n_layer=2"], "written with n_layer=1, this run has n_layer=2")

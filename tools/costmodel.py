@@ -1,5 +1,5 @@
 """costmodel.py: an analytic model of one training iteration under each TP layout, for planning past
-this machine. Checked against the paper's table (BOOST, arXiv 2512.12131, §7 of boost-notes).
+this machine. Checked against the paper's table (BOOST, arXiv 2512.12131, section 7; docs/design.md).
 
 One iteration on one GPU of a (dp, pp, tp) job, m micro-batches of b x s tokens per pipeline:
 
@@ -15,13 +15,19 @@ One iteration on one GPU of a (dp, pp, tp) job, m micro-batches of b x s tokens 
   PP         1F1B: (m + p - 1) slots of one stage's fwd+bwd, plus the activation sends b·s·d/t.
   DP         ring all-reduce of this rank's bf16 gradients over the network, not overlapped.
 
-The elements of every TP collective are those of layouts.py (`per_layer_volume`, tested equal to the
-ledger); FLOPs are those of model.py (`flops_per_token`, tested equal). The calibration constants are the five in CALIBRATION, the
-same for every row; the hardware numbers are public specifications, not fitted.
+The elements and the number of TP collectives per layer are layouts.per_layer_traffic's (tested
+equal to the ledger's count); FLOPs are model.py's (`flops_per_token`, tested equal). The
+calibration constants are the five in CALIBRATION, the same for every row; the hardware numbers
+are public specifications, not fitted.
 """
+import sys
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+
+from layouts import per_layer_traffic  # noqa: E402
 
 # Chosen by a grid search (ETA_MAX 0.7-0.9, N_HALF 32-256, ETA_ATTN 0.3-0.6, ALPHA 10-50 µs,
 # MEM_PASSES 0-32) minimising the mean |log(model / paper)| over the paper's 15 times at once.
@@ -56,13 +62,23 @@ class Shape:
     rank: int = 0    # 0: n_embd // 4
 
     @property
+    def kv_dim(self):
+        return self.n_embd // self.n_head * self.n_kv_head
+
+    @property
+    def attn_rank(self):   # one rank for every projection, as in the paper's runs
+        return self.r
+
+    mlp_rank = attn_rank
+
+    @property
     def r(self):
         return self.rank or self.n_embd // 4
 
 
 def preset(name):
     """The Shape of configs/<name>.toml (vocabulary 32000 as in the paper, r = d/4)."""
-    with open(Path(__file__).resolve().parent / "configs" / f"{name}.toml", "rb") as f:
+    with open(Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml", "rb") as f:
         c = tomllib.load(f)
     return Shape(c["n_layer"], c["n_embd"], c["mlp_width"], c["n_head"], c.get("n_kv_head", c["n_head"]))
 
@@ -79,16 +95,9 @@ PAPER = [("1B", 1, 1, (0.85, 0.56, 0.59)), ("3B", 2, 1, (1.14, 1.41, 0.78)), ("7
 LAYOUT_OF = {"full": "megatron", "vanilla": "vanilla", "boost": "btp"}
 
 
-def per_layer_volume(layout, d, f, kv, ra, rm):
-    """TP elements per token per layer (forward, backward), as layouts.py's docstring states."""
-    return {"btp": ((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm),
-            "vanilla": (d + 2 * kv + d + 2 * f + d, 3 * d + d + 2 * d + f),
-            "megatron": (2 * d, 2 * d)}[layout]
-
-
 def gemms(sh, layout, t):
     """(K, N) of every GEMM of one layer on one rank, and the heads this rank attends with."""
-    d, f, r, kv = sh.n_embd, sh.mlp_width, sh.r, sh.n_embd // sh.n_head * sh.n_kv_head
+    d, f, r, kv = sh.n_embd, sh.mlp_width, sh.r, sh.kv_dim
     if layout == "megatron":
         return [(d, d // t), (d, kv // t), (d, kv // t), (d // t, d), (d, f // t), (d, f // t), (f // t, d)], sh.n_head // t
     if layout == "vanilla":  # A column-parallel over r, B row-parallel; attention on all heads
@@ -118,9 +127,8 @@ def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRA
     head_fwd = 2 * M * sh.n_embd * sh.vocab_size / t / (hw.peak * eta(min(sh.n_embd, sh.vocab_size // t)))
     bw = hw.nvlink if t <= hw.per_node else hw.network
     ring = 2 * (t - 1) / t if t > 1 else 0.0
-    kv = hd * sh.n_kv_head
-    fwd_el, bwd_el = per_layer_volume(layout, sh.n_embd, sh.mlp_width, kv, sh.r, sh.r)
-    calls = {"btp": 8, "vanilla": 14, "megatron": 4}[layout] if t > 1 else 0
+    fwd_el, bwd_el, calls = per_layer_traffic(layout, sh)
+    calls = calls if t > 1 else 0
     layer_comm = calls * cal["ALPHA"] + ring * (fwd_el + bwd_el) * M * 2 / bw
     head_comm = (ring * M * sh.n_embd * 2 * (1.5 if layout == "btp" else 1.0) / bw + 4 * cal["ALPHA"]) if t > 1 else 0.0
     layers = sh.n_layer / p

@@ -1,6 +1,6 @@
 """test_explain.py: `--explain` (explain.py) and `--profile` (rundir.profiler): what they print and
 write is what a real step does: the collectives of a training step's ledger and of the formulas in
-layouts.py's docstring (bench.per_layer_volume), the saved bytes of the tests' meter.
+layouts.py's docstring (layouts.per_layer_traffic), the saved bytes of the tests' meter.
 """
 import json
 import re
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import options
-from bench import per_layer_volume
 from checkpointing import SavedBytes
+from layouts import per_layer_traffic
 from conftest import TINY, expect_error, metrics, torchrun
 from model import Llama
 
@@ -67,13 +67,13 @@ def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch,
     out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--tp_mode={layout}")
     tokens, totals, saved, sections, table = parse(out)
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
-    fwd, bwd = per_layer_volume(layout, cfg)
+    fwd, bwd, _ = per_layer_traffic(layout, cfg)
     # the first layer of each direction is printed in full (backward starts at the last layer)
     assert sum(sections["fwd · layer 0"]) == fwd * tokens and sum(sections["bwd · layer 1"]) == bwd * tokens
     assert table[layout] == (fwd, bwd)    # the side-by-side table: every layout against its formula
     for other in ("btp", "vanilla", "megatron"):
         other_cfg, _ = options.parse_args([*TINY, f"--arch={'full' if other == 'megatron' else arch if arch != 'full' else 'cola'}"])
-        assert table[other] == per_layer_volume(other, other_cfg), (other, table)
+        assert table[other] == per_layer_traffic(other, other_cfg)[:2], (other, table)
     assert "rank 1 (dp 0, pp 0, tp 1): the same ops" in out
     if layout == "vanilla":
         return   # (the training step's comparison for btp and megatron keeps the suite short)
@@ -91,7 +91,7 @@ def test_explain_pp2_tp2(tmp_path, arch, layout):
                   "--gradient_accumulation_steps=2")
     tokens, totals, saved, sections, table = parse(out)
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
-    fwd, bwd = per_layer_volume(layout, cfg)
+    fwd, bwd, _ = per_layer_traffic(layout, cfg)
     # rank 0 is stage 0: the embedding and layer 0 of 2; its TP traffic is that one layer's
     assert totals[("tp", "all_reduce", "fwd")][1] == fwd * tokens
     assert totals[("tp", "all_reduce", "bwd")][1] == bwd * tokens

@@ -9,7 +9,7 @@ GEMM kernels use tensor cores (`mma.sync` on sm_80, `wgmma` on sm_90; fp32 input
 dots, which never do). test_kernels.py asserts that all compile, bf16 GEMMs use tensor cores and
 nothing spills.
 
-    TRITON_INTERPRET=0 python gpu_compile.py [--json]
+    TRITON_INTERPRET=0 python tools/gpu_compile.py [--json]
 """
 import json
 import os
@@ -17,7 +17,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
 os.environ["TRITON_INTERPRET"] = "0"   # compile, not interpret: before triton_kernels imports Triton
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -27,10 +29,11 @@ import triton_kernels as tk  # noqa: E402
 
 F32 = ("s_ptr", "ds_ptr", "dg_ptr", "rstd_ptr", "eps")   # always fp32
 I32 = ("meta_ptr",)
-GEMMS = {"_norm_down_fwd": ("BM", "BN", "BK"), "_norm_down_dx": ("BM", "BN", "BK"), "_grouped_mm": ("BP", "BQ", "BK")}
+GEMMS = {"norm_down_fwd": ("BM", "BN", "BK"), "norm_down_dx": ("BM", "BN", "BK"), "grouped_mm": ("BP", "BQ", "BK")}
 
 
-# the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them constants)
+# the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them constants;
+# NormDown's "dA" has the strides of "dW")
 GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq"), "dW": ("s_ap", "s_bq", "s_cq")}
 
 
@@ -77,10 +80,10 @@ def cases():
             for name, blocks in GEMMS.items():
                 for cfg in tk.gemm_configs(blocks, bits, cap):
                     const = dict(cfg.kwargs, UPCAST=False)
-                    for call, ones in (GROUPED_CALLS.items() if name == "_grouped_mm" else [("", ())]):
+                    for call, ones in (GROUPED_CALLS.items() if name == "grouped_mm" else [("", ())]):
                         yield cap, dtype, name, call, {**const, **({"G": 3} if ones else {}),
                                                        **{o: 1 for o in ones}}, cfg.num_warps, cfg.num_stages
-            for name in ("_rms_fwd", "_rms_bwd"):
+            for name in ("rms_fwd", "rms_bwd"):
                 yield (cap, dtype, name, "", {"ROWS": tk.ROWS_CONFIG["ROWS"], "BLOCK": 4096},
                        tk.ROWS_CONFIG["num_warps"], 1)
 
@@ -88,7 +91,7 @@ def cases():
 def compile_one(case):
     """Compile one case for its GPU; its row of the table."""
     cap, dtype, name, call, const, warps, stages = case
-    fn = getattr(tk, name)
+    fn = tk.JIT[name]
     const_d = {**const, **({"IEEE": dtype == "fp32"} if "IEEE" in fn.arg_names else {})}
     sig, attrs = signature(fn, dtype, [k for k in const if k.startswith("s_")])
     kernel = triton.compile(ASTSource(fn, sig, const_d, attrs), target=GPUTarget("cuda", cap, 32),

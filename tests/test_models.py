@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +14,13 @@ import torch.nn.functional as F
 
 import interchange
 import options
-import train
 import train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
 from model import Config, Llama
 
 CONFIGS = ROOT / "configs"
 
-# boost-notes §8: (d, d_ff, heads, layers, r, gate, tied, block_size)
+# the authors' configurations (docs/design.md): (d, d_ff, heads, layers, r, gate, tied, block_size)
 REFERENCE = {
     "cola_60m": (512, 1376, 8, 8, 128, "silu", False, 1024), "cola_130m": (768, 2048, 12, 12, 256, "silu", False, 1024),
     "cola_350m": (1024, 2736, 16, 24, 256, "none", False, 1024), "cola_1b": (2048, 5461, 32, 24, 512, "none", False, 1024),
@@ -143,21 +141,21 @@ def logits_of(model, idx):
     (["--arch=cola", "--n_kv_head=4", "--tie_embeddings=true"], "cola"), (["--arch=svd", "--n_kv_head=4"], "pt")])
 def test_export_import_round_trip(tmp_path, data_dir, extra, fmt):
     ckpt = trained_checkpoint(tmp_path / "run", data_dir, *extra)
-    cfg, state, _ = train_state.checkpoint_state(ckpt, tmp_path)
+    cfg, state, _ = interchange.checkpoint_state(ckpt)
     original = Llama(cfg)
     original.load_state_dict(state)
     out = tmp_path / f"exported.{fmt}"
-    res = subprocess.run([sys.executable, str(ROOT / "train_state.py"), "export", ckpt, str(out), f"--format={fmt}"],
+    res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", ckpt, str(out), f"--format={fmt}"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     if fmt == "pt":
-        back = train_state.load_exported(str(out))[0]
+        back = interchange.load_exported(str(out))[0]
     else:
         config = json.loads((out / "config.json").read_text())
         assert config["model_type"] == {"hf": "llama", "cola": "cola"}[fmt] and config["boost_tokenizer"] == "bytes"
-        path = train_state.import_folder(str(out), str(tmp_path / "imported"))
-        back_cfg, back_state, _ = train_state.checkpoint_state(path, tmp_path)
+        path = interchange.import_folder(str(out), str(tmp_path / "imported"))
+        back_cfg, back_state, _ = interchange.checkpoint_state(path)
         back = Llama(back_cfg)
         back.load_state_dict(back_state)
         assert back_cfg.arch == ("full" if fmt == "hf" else "cola")
@@ -185,24 +183,24 @@ def test_export_and_import_command_errors(tmp_path, data_dir):
              (["export", ckpt, str(tmp_path / "o"), "--format=onnx"], "invalid choice: 'onnx'"),
              (["import", str(tmp_path / "nothing"), str(tmp_path / "x")], "is not a model folder"),
              (["import", str(ROOT / "configs"), str(tmp_path / "x")], "is not a model folder")]
-    subprocess.run([sys.executable, str(ROOT / "train_state.py"), "export", ckpt, str(tmp_path / "pt")], check=True,
+    subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", ckpt, str(tmp_path / "pt")], check=True,
                    cwd=ROOT, timeout=120)
     for args, fragment in cases:
-        res = subprocess.run([sys.executable, str(ROOT / "train_state.py"), *args], capture_output=True, text=True,
+        res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), *args], capture_output=True, text=True,
                              timeout=120, cwd=ROOT)
         err = res.stderr.strip()
         assert res.returncode == 2 and err.startswith("error: ") and "\n" not in err and fragment in err, err
-    res = subprocess.run([sys.executable, str(ROOT / "train_state.py"), "export", "-h"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", "-h"], capture_output=True, text=True)
     assert "hf: Hugging Face Llama" in res.stdout and "cola: the official CoLA format" in res.stdout
 
 
 def test_imported_cola_model_trains_under_btp(tmp_path, data_dir):
     """A CoLA-format model (as trained elsewhere) imported, then continued at tp=2 like one process."""
     ckpt = trained_checkpoint(tmp_path / "run", data_dir, "--arch=cola", "--n_kv_head=4")
-    cfg, state, _ = train_state.checkpoint_state(ckpt, tmp_path)
+    cfg, state, _ = interchange.checkpoint_state(ckpt)
     interchange.write(tmp_path / "cola", state, cfg, "cola", "bytes")
     for name in ("one", "tp2"):
-        train_state.import_folder(str(tmp_path / "cola"), str(tmp_path / name))
+        interchange.import_folder(str(tmp_path / "cola"), str(tmp_path / name))
     run = [f"--data_dir={data_dir}", *TINY, "--n_kv_head=4", "--max_iters=3", "--eval_interval=100", "--batch_size=2",
            "--gradient_accumulation_steps=2", "--init_from=resume"]
     torchrun(1, f"--out_dir={tmp_path / 'one'}", *run)

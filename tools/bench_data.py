@@ -1,4 +1,4 @@
-"""bench_data.py: `python bench.py data`: the corpus preparation of prepare.py at scale, measured.
+"""bench_data.py: `python tools/bench.py data`: the corpus preparation of prepare.py at scale, measured.
 
 Not in the BOOST paper (arXiv 2512.12131): what feeding it a pretraining corpus costs. Generates a
 corpus of `--mb` MB (default 1024) from Python's standard library sources, repeated, in three forms
@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+
+ROOT = Path(__file__).resolve().parents[1]
 MEASURE = """
 import json, resource, sys, time, prepare
 t0 = time.time()

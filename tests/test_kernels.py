@@ -23,14 +23,11 @@ def triton_and_ref(fn, inputs, upstream):
     """Outputs and input gradients of fn under the Triton and the reference backend."""
     results = []
     for backend in ("triton", "torch"):
-        kernels._backend = backend
-        try:
+        with kernels.using(backend):
             leaves = [t.detach().clone().requires_grad_() for t in inputs]
             outs = fn(*leaves)
             torch.autograd.backward(outs, upstream)
             results.append(([o.detach().float() for o in outs], [t.grad.float() for t in leaves]))
-        finally:
-            kernels._backend = "torch"
     return results
 
 
@@ -105,24 +102,22 @@ def test_auto_times_each_op_once_and_keeps_the_faster(capsys):
     g = torch.Generator().manual_seed(5)
     x, gamma, A = torch.randn(2, 8, 32, generator=g), 1 + torch.rand(32, generator=g), torch.randn(24, 32, generator=g)
     z, Bs = torch.randn(2, 8, 16, generator=g), [torch.randn(n, 8, generator=g) for n in (12, 6)]
-    kernels._backend = "auto"
-    try:
+    kernels.select("torch", "cpu")   # (forgets earlier choices)
+    with kernels.using("auto"):
         for _ in range(2):
             H, S = kernels.norm_down(x, gamma, A)
             ys = kernels.grouped_up(z, Bs)
             y = kernels.rms_norm(x, gamma, 1e-5)
-    finally:
-        kernels._backend = "torch"
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all(re.fullmatch(r"kernels: \w+ \(.+\) triton [\d.]+ ms vs torch [\d.]+ ms: (triton|torch)", l)
                                    for l in lines), lines
     assert "norm_down (16x32 -> 24+1)" in lines[0] and "grouped_up (16x2x8 -> 12+6)" in lines[1]
-    assert set(kernels._choices) == {("norm_down", "16x32 -> 24+1"), ("grouped_up", "16x2x8 -> 12+6"),
+    assert set(kernels.chosen()) == {("norm_down", "16x32 -> 24+1"), ("grouped_up", "16x2x8 -> 12+6"),
                                      ("rms_norm", "16x32")}
     torch.testing.assert_close(H, kernels.norm_down_ref(x, gamma, A)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ys, kernels.grouped_up_ref(z, Bs), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y, kernels.rms_norm_ref(x, gamma, 1e-5), rtol=1e-4, atol=1e-4)
-    kernels._choices.clear()
+    kernels.select("torch", "cpu")
 
 
 def test_bench_gpu_shapes_and_plumbing_on_cpu(tmp_path):
@@ -139,7 +134,7 @@ def test_bench_gpu_shapes_and_plumbing_on_cpu(tmp_path):
     step = bench_gpu.train_step(Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=16, vocab_size=64),
                                 "cpu", False, runs=1)
     assert step["tokens_per_s"] > 0
-    res = subprocess.run([sys.executable, str(ROOT / "bench.py"), "gpu", f"--json_dir={tmp_path}"], cwd=ROOT,
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "gpu", f"--json_dir={tmp_path}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 2 and res.stderr.strip() == "error: bench.py gpu needs a CUDA GPU (this machine has none)"
 
@@ -155,7 +150,7 @@ def test_kernels_compile_for_a100_and_h100_without_spills():
     sm_90 (H100/H200), bf16 and fp32, compiled to PTX and cubin here (gpu_compile.py): bf16 GEMMs use
     the tensor cores (mma.sync on sm_80, wgmma on sm_90) and no kernel spills registers."""
     import triton_kernels as tk
-    res = subprocess.run([sys.executable, str(ROOT / "gpu_compile.py"), "--json"], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_compile.py"), "--json"], cwd=ROOT, capture_output=True,
                          text=True, timeout=900, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout)

@@ -1,14 +1,14 @@
 """bench.py: side-by-side measurements on this machine, for the comparisons of BOOST (arXiv 2512.12131) §7.
 
-    python bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
-    python bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
-    python bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
-    python bench.py comm     # exposed communication: each layout plain, with --overlap and with no communication
-    python bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
-    python bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
-    python bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
-    python bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
-    python bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices, Triton vs PyTorch,
+    python tools/bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
+    python tools/bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
+    python tools/bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
+    python tools/bench.py comm     # exposed communication: each layout plain, with --overlap and with no communication
+    python tools/bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
+    python tools/bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
+    python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
+    python tools/bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
+    python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices, Triton vs PyTorch,
                              # and a 1B-shaped training step per arch, compile off/on (bench_gpu.py)
 
 Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
@@ -17,10 +17,11 @@ interleaved step by step, since these machines are noisy. Extra `--key=value` ar
 model as in train.py (a config file such as configs/boost_test.toml replaces a bench's default shape);
 `--iters=N` the timed steps per configuration; `--tp=2,4` the TP degrees of
 `layouts`; `--mb=N` the size of `data`'s corpus and `--keep=DIR` where to keep it (default: a
-temporary folder). `python bench.py -h` prints this.
+temporary folder). `python tools/bench.py -h` prints this.
 """
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,16 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+
+ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def per_layer_volume(layout, cfg):
-    """TP elements per token per layer (forward, backward), from the layouts' docstrings (parallel.py)."""
-    d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
-    return {"btp": ((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm),
-            "vanilla": (d + 2 * kv + d + 2 * f + d, 3 * d + d + 2 * d + f),
-            "megatron": (2 * d, 2 * d)}[layout]
 
 
 def train_run(nproc, args, out_dir):
@@ -110,26 +105,26 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     from model import Config, Llama
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    env = parallel.TP(dist.group.WORLD, rank, world)
+    tp = parallel.TP(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     out, b, s = {}, 2, 32
     for arch, layout in (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")):
         totals = []
         for n_layer in (1, 2):
             cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer, "block_size": s})
-            model = layouts.TPLlama(Llama(cfg), env, layout)
+            model = layouts.TPLlama(Llama(cfg), tp, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
             totals.append([parallel.LEDGER.total("tp", phase) for phase in ("fwd", "bwd")])
         out[layout] = {"measured": [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)],
-                       "formula": per_layer_volume(layout, cfg)}
+                       "formula": list(layouts.per_layer_traffic(layout, cfg)[:2])}
     if rank == 0:
         Path(result).write_text(json.dumps(out))
     parallel.exit_worker(world)
 
 
-VARIANTS = {  # name: (arch, layout or None for one device, recompute, BTP options)
+VARIANTS = {  # name: (arch, layout or None for one device, recompute, ablations.ablated's options)
     "full": ("full", None, "none", {}), "svd": ("svd", None, "none", {}), "cola": ("cola", None, "none", {}),
     "full/megatron": ("full", "megatron", "none", {}), "cola/vanilla": ("cola", "vanilla", "none", {}),
     "svd/btp": ("svd", "btp", "none", {}), "cola/btp": ("cola", "btp", "none", {}),
@@ -148,13 +143,14 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import time
     import torch
     import torch.distributed as dist
+    import ablations
     import layouts
     import parallel
     from checkpointing import SavedBytes, run_layers
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    env = parallel.TP(dist.group.WORLD, rank, world)
+    tp = parallel.TP(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     runs, out = {}, {}
     for name in names:
@@ -163,7 +159,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
         model = Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"}), recompute=recompute,
                       layer_runner=run_layers)
         if layout:
-            model = layouts.TPLlama(model, env, layout, **options)
+            model = layouts.TPLlama(model, tp, layout, block=ablations.ablated(**options) if options else None)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]), generator=torch.Generator().manual_seed(0))
 
@@ -256,6 +252,7 @@ def bench_checkpoint(extra):
     """The cost of a checkpoint's CRC-32s: save (which checksums), verify, and the checksums alone."""
     import torch
     import options
+    import integrity
     import train_state
     from model import Llama
     cfg, _ = options.parse_args(shape_args(extra, ["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16"]))
@@ -268,11 +265,11 @@ def bench_checkpoint(extra):
         t_save = time.time() - t0
         meta = json.loads(Path(path, "meta.json").read_text())
         t0 = time.time()
-        assert train_state.verify(path, meta) is None
+        assert integrity.verify(path, meta) is None
         t_verify = time.time() - t0
         t0 = time.time()
         for name in meta["files"]:
-            train_state.crc32(Path(path, name))
+            integrity.crc32(Path(path, name))
         t_crc = time.time() - t0
     out = {"params": model.num_params(), "bytes": size, "save_s": t_save, "verify_s": t_verify, "crc32_s": t_crc}
     rows = [[f"{model.num_params() / 1e6:.0f}M", f"{size / 1e9:.2f}", f"{t_save:.1f}", f"{t_crc:.1f}",
@@ -299,12 +296,36 @@ def bench_traffic(extra, tp):
                                    "fwd vs btp"], rows), out
 
 
+BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu")
+
+
+def usage_error(msg):
+    print(f"error: {msg} (python tools/bench.py -h)", file=sys.stderr)
+    sys.exit(2)
+
+
+def bench_help(what):
+    """`bench.py SUB -h`: the docstring's lines of that bench and how to give options, nothing run."""
+    lines = __doc__.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"    python tools/bench.py {what} "))
+    end = start + 1
+    while lines[end].lstrip().startswith("#"):   # the comment's continuation lines
+        end += 1
+    mine = lines[start:end]
+    return "\n".join(["usage: python tools/bench.py " + what + " [--iters=N] [--json_dir=DIR] [--key=value ...]", "",
+                      *mine, "", *lines[lines.index(next(x for x in lines if x.startswith("Each prints"))):]])
+
+
 def main(argv):
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return
-    if not argv or argv[0] not in ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu"):
-        sys.exit("error: name one of archs, traffic, layouts, comm, pp, model, data, checkpoint, gpu (python bench.py -h)")
+    if not argv or argv[0] not in BENCHES:
+        usage_error(f"name one of {', '.join(BENCHES)}")
+    if "-h" in argv[1:] or "--help" in argv[1:]:
+        print(bench_help(argv[0]))
+        return
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))   # unwind, so temporary folders go on a kill too
     what, iters, tps, extra, json_dir = argv[0], 10, (1, 2, 4), [], ROOT / "bench-results"
     mb, keep = 1024, None
     try:
@@ -322,7 +343,7 @@ def main(argv):
             else:
                 extra.append(arg)
     except ValueError as e:
-        sys.exit(f"error: {e} (python bench.py -h)")
+        usage_error(e)
     if what == "archs":
         text, out = bench_archs(iters, extra)
     elif what == "layouts":

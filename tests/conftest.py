@@ -1,6 +1,7 @@
 """conftest.py: what the test files share: the tiny run, the prepared corpus, runners for train.py
 in this process, under torchrun and in spawned gloo groups, and the one-line-error check.
-Run the tests with: .venv/bin/python -m pytest -q
+Run the tests with: make test (or .venv/bin/python -m pytest -q from the root); make test-fast
+leaves out the tests marked slow. The GPT-2 vocabulary comes from TIKTOKEN_CACHE_DIR, never a download.
 """
 import json
 import os
@@ -18,10 +19,7 @@ import prepare
 import train
 from model import Config
 
-ROOT = Path(__file__).resolve().parent
-SHARED_CACHE = ROOT.parent / "shared" / "tiktoken_cache"
-if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_CACHE.is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_CACHE)
+ROOT = Path(__file__).resolve().parents[1]   # the repository: train.py and the other core files
 
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32",
         "--batch_size=4", "--eval_iters=2", "--sample_tokens=0", "--warmup_iters=2", "--log_interval=1"]

@@ -1,6 +1,6 @@
 """test_boost.py: the single-device system: model shapes and counts, data, the training loop
 (one process and torchrun data parallel), resume, training checkpoints, and every bad input's
-one-line error (issues: foundation, sharded checkpoints). Run: .venv/bin/python -m pytest -q
+one-line error. Run: make test, or .venv/bin/python -m pytest -q tests/test_boost.py
 """
 import json
 import os
@@ -14,10 +14,12 @@ import torch
 import torch.nn as nn
 
 import data
-import train_state
+import integrity
+import interchange
 import options
 import prepare
 import train
+import train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
 from model import Bottleneck, Config, Llama
 
@@ -49,7 +51,7 @@ def test_param_and_flop_counts(arch, shape):
 def test_cola_parameters_about_two_and_a_half_times_fewer():
     full, cola = (Llama(Config(arch=a, n_layer=1, n_embd=512, n_head=8, vocab_size=64)) for a in ("full", "cola"))
     per_layer = lambda m: sum(p.numel() for p in m.layers.parameters())
-    assert 2.3 < per_layer(full) / per_layer(cola) < 2.7   # boost-notes §1: 12·d² vs ≈4.8·d²
+    assert 2.3 < per_layer(full) / per_layer(cola) < 2.7   # docs/design.md §1: 12·d² vs ≈4.8·d²
 
 
 def test_cola_init_std():
@@ -102,7 +104,7 @@ def test_bytes_tokenizer_round_trip():
 
 def test_gpt2_tokenizer_round_trip():
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
-        pytest.skip("no offline tiktoken cache (../shared/tiktoken_cache)")
+        pytest.skip("TIKTOKEN_CACHE_DIR is not set: no GPT-2 vocabulary without a download")
     enc = data.get_tokenizer("gpt2")
     assert enc.encode("hello world") == [31373, 995] and enc.n_vocab == 50257
     text = "BOOST trains low-rank LLMs.\n  Indented ünïcode."
@@ -130,7 +132,7 @@ def test_prepare_reuses_and_reprepares(tmp_path):
 
 
 def test_batches_deterministic_and_shared(data_dir):
-    folder = data.prepared_dir(data.EMBEDDED, "bytes", data_dir)
+    folder = prepare.prepared_dir(data.EMBEDDED, "bytes", data_dir)
     tokens = data.TokenFile(folder, "train", 16)
     x, y = tokens.batch(7, "train", 3, 8, 0, 8)
     assert x.shape == (8, 16) and torch.equal(x[:, 1:], y[:, :-1])
@@ -145,7 +147,7 @@ def test_batches_deterministic_and_shared(data_dir):
 
 def test_short_run_lowers_loss_below_unigram_entropy(tmp_path, data_dir):
     records = run_train(tmp_path, data_dir, "--max_iters=100", "--eval_interval=100", "--learning_rate=1e-2")
-    entropy = data.unigram_entropy(data.prepared_dir(data.EMBEDDED, "bytes", data_dir))
+    entropy = data.unigram_entropy(prepare.prepared_dir(data.EMBEDDED, "bytes", data_dir))
     assert records[-1]["val_loss"] < entropy < records[0]["val_loss"]
     assert all({"iter", "loss", "lr", "ms", "tokens_per_s"} <= r.keys() for r in records[:-1])
 
@@ -211,7 +213,7 @@ def test_bad_corpora(capsys, tmp_path):
 
 
 def test_bad_checkpoints(capsys, tmp_path, data_dir):
-    out = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY]
+    out = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=4"]
     expect_error(capsys, [*out, "--init_from=resume"], "no complete checkpoint in")
     run_train(tmp_path, data_dir, "--max_iters=2", "--eval_interval=2", "--arch=cola")
     expect_error(capsys, [*out, "--init_from=resume", "--arch=full"], "written with arch=cola, this run has arch=full")
@@ -226,13 +228,15 @@ def test_bad_checkpoints(capsys, tmp_path, data_dir):
     (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))  # same size, garbage
     expect_error(capsys, [*out, "--init_from=resume"], "no usable checkpoint", ".metadata fails its checksum")
     (ckpt / ".metadata").write_bytes(metadata)
-    meta = json.loads((ckpt / "meta.json").read_text())
-    for f in meta["files"].values():
-        del f["crc32"]   # as written before checksums: sizes are still checked, DCP's own errors too
+    meta_text = (ckpt / "meta.json").read_text()
+    meta = json.loads(meta_text)
+    (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))   # garbage whose checksum was recorded:
+    meta["files"][".metadata"]["crc32"] = integrity.crc32(ckpt / ".metadata")   # DCP's own error, one line
+    meta["meta_crc32"] = integrity.meta_crc32({k: v for k, v in meta.items() if k != "meta_crc32"})
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    (ckpt / ".metadata").write_bytes(b"\0" * len(metadata))
     expect_error(capsys, [*out, "--init_from=resume"], "unreadable or corrupt")
     (ckpt / ".metadata").write_bytes(metadata)
+    (ckpt / "meta.json").write_text(meta_text)
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     expect_error(capsys, [*out, "--init_from=resume"], f"{shard.name} has 100 bytes", "(truncated)")
@@ -313,9 +317,9 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, str
 def test_export_unsharded_and_generate(tmp_path, data_dir):
     torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=4", "--tp=2")
     ckpt = train_state.checkpoint_dirs(tmp_path)[-1]
-    subprocess.run([sys.executable, str(ROOT / "train_state.py"), "export", ckpt, str(tmp_path / "model.pt")],
+    subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", ckpt, str(tmp_path / "model.pt")],
                    check=True, timeout=120, cwd=ROOT)
-    exported, tokenizer = train_state.load_exported(str(tmp_path / "model.pt"))
+    exported, tokenizer = interchange.load_exported(str(tmp_path / "model.pt"))
     cfg, tc = options.parse_args([*TINY, *CKPT_RUN])
     cfg.vocab_size = 320
     direct = Llama(cfg)

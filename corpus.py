@@ -1,0 +1,127 @@
+"""corpus.py: the files of a corpus, read as a stream of tasks for prepare.py's workers.
+
+Not part of the BOOST paper (arXiv 2512.12131); what a pretraining corpus looks like on disk. A
+dataset is a file or a folder (recursive, sorted, hidden files skipped) of text files (one document
+each; any name but the ones below), JSON Lines (`.jsonl`, `.json`: one document per line, its text
+in the `text_field` the workers read), and the gzip-compressed form of either (`.gz`). Documents
+are read one at a time and cut into pieces of about PIECE bytes at line ends, and pieces are handed
+out in tasks of about CHUNK bytes across document and file boundaries, so memory does not grow with
+the corpus or with a document. Binary files (a NUL byte in the first 8 KiB) and corrupt .gz files
+are skipped and named.
+"""
+import gzip
+from pathlib import Path
+
+import data
+
+PIECE = 16 << 10             # bytes: documents are cut at the first line end past this many bytes
+CHUNK = 1 << 20              # bytes of text per task sent to a worker
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def kind_of(path):
+    """'jsonl' or 'text', and whether gzip-compressed, from the file name."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return ("jsonl" if name.endswith(JSON_SUFFIXES) else "text"), path.name.endswith(".gz")
+
+
+def pieces(buf, final):
+    """Cut bytes into pieces that end at the first b'\\n' at or past PIECE bytes from their start:
+    (complete pieces, the rest). Feeding the rest back with more bytes gives the same cuts."""
+    out, start = [], 0
+    while (nl := buf.find(b"\n", start + PIECE - 1)) >= 0:
+        out.append(buf[start:nl + 1])
+        start = nl + 1
+    rest = buf[start:]
+    if final and rest:
+        out, rest = out + [rest], b""
+    return out, rest
+
+
+def source_files(path):
+    """The files of a dataset path, sorted; hidden files and folders are skipped."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"dataset path {path} does not exist")
+    if p.is_file():
+        return [p]
+    return sorted(f for f in p.rglob("*") if f.is_file()
+                  and not any(part.startswith(".") for part in f.relative_to(p).parts))
+
+
+class Reader:
+    """Streams the corpus as tasks of about CHUNK bytes, counting bytes read for progress."""
+
+    def __init__(self, dataset, options):
+        self.files = [] if dataset == data.EMBEDDED else source_files(dataset)
+        by_piece = len(self.files) == 1 and kind_of(self.files[0])[0] == "text"   # no documents to split by
+        self.dataset, self.opts, self.done_bytes, self.doc = dataset, (*options, by_piece), 0, 0
+        self.total_bytes = sum(f.stat().st_size for f in self.files)
+        self.item_bytes = 0   # bytes handed to the workers (the embedded corpus has no files to count)
+        self.skipped = []   # binary files, named in the summary
+
+    @property
+    def read_bytes(self):
+        """Bytes of the source files read so far (compressed bytes for .gz)."""
+        try:
+            return self.done_bytes + (self.raw.tell() if self.raw and not self.raw.closed else 0)
+        except (OSError, ValueError):
+            return self.done_bytes
+
+    def tasks(self):
+        """Tasks of about CHUNK bytes of items, across document and file boundaries."""
+        self.raw, self.items, self.size = None, [], 0
+        if self.dataset == data.EMBEDDED:   # Python's help topics, one document each
+            from pydoc_data.topics import topics
+            for blob in (topics[k].encode("utf-8") for k in sorted(topics)):
+                cut, _ = pieces(blob, final=True)
+                for k, piece in enumerate(cut):
+                    yield from self._add(("text", "pydoc", self.doc, k, piece, k == len(cut) - 1))
+                self.doc += 1
+        for f in self.files:
+            kind, zipped = kind_of(f)
+            with open(f, "rb") as self.raw:
+                stream = gzip.GzipFile(fileobj=self.raw) if zipped else self.raw
+                base = self.done_bytes
+                try:
+                    yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), stream)
+                except (OSError, EOFError) as e:   # a corrupt .gz: say so, keep what was read
+                    self.skipped.append(f"{f} ({type(e).__name__}: {e})")
+            self.done_bytes = base + f.stat().st_size
+        if self.items:
+            yield self.opts, self.items
+
+    def _add(self, item):
+        """Add an item; yields a full task when there is one."""
+        self.items.append(item)
+        self.size += len(item[4])
+        self.item_bytes += len(item[4])
+        if self.size >= CHUNK:
+            yield self.opts, self.items
+            self.items, self.size = [], 0
+
+    def _text_file(self, f, stream):
+        head = stream.read(8192)
+        if b"\0" in head:
+            self.skipped.append(f"{f} (binary)")
+            return
+        k, buf, held = 0, head, None
+        while True:
+            block = stream.read(CHUNK)
+            cut, buf = pieces(buf + block, final=not block)
+            for piece in cut:   # hold one piece back: only the end of the file says which is last
+                if held is not None:
+                    yield from self._add(("text", f, self.doc, k, held, False))
+                    k += 1
+                held = piece
+            if not block:
+                break
+        if held is not None:
+            yield from self._add(("text", f, self.doc, k, held, True))
+        self.doc += 1
+
+    def _jsonl(self, f, stream):
+        for line_no, line in enumerate(stream, 1):
+            if line.strip():
+                yield from self._add(("jsonl", f, self.doc, line_no, line, None))
+                self.doc += 1

@@ -1,0 +1,84 @@
+"""test_docs.py: the repository keeps the shape its README promises a reader: the README a map of at
+most 250 lines whose reading order (with true line counts) is on its first screen, docs/ pages under
+300 lines, every code file under 400 lines (tests 500) with functions under 60, each opening with a
+docstring that names it, no import cycle, and nothing pointing at a document outside the repository.
+"""
+import ast
+import re
+
+from conftest import ROOT
+
+CORE = ("model.py", "layouts.py", "parallel.py", "kernels.py", "triton_kernels.py", "checkpointing.py", "train.py")
+SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
+
+
+def code_files():
+    return sorted(p for p in ROOT.rglob("*.py") if not SKIP & set(p.relative_to(ROOT).parts)
+                  and not p.relative_to(ROOT).parts[0].startswith("out"))
+
+
+def lines(path):
+    return len(path.read_text().splitlines())
+
+
+def test_readme_is_a_map_with_the_reading_order_first():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 250, len(readme)
+    start = next(i for i, line in enumerate(readme) if line.startswith("## Read the code in this order"))
+    assert start < 40, start   # on the first screen
+    for name in CORE:
+        row = next((line for line in readme if line.startswith(f"| [`{name}`]")), None)
+        assert row, f"{name} is not in the reading order"
+        assert int(row.split("|")[2]) == lines(ROOT / name), f"README says {row.split('|')[2]} lines for {name}"
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in "\n".join(readme), f"README does not link docs/{page.name}"
+        assert lines(page) <= 300, (page.name, lines(page))
+
+
+def test_code_files_and_functions_stay_small():
+    for path in code_files():
+        is_test = path.parent.name == "tests"
+        assert lines(path) <= (500 if is_test else 400), (path.name, lines(path))
+        if is_test:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 60, f"{path.name}: {node.name} is {node.end_lineno - node.lineno + 1} lines"
+
+
+def test_every_file_opens_with_a_docstring_naming_it():
+    for path in code_files():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and doc.startswith(f"{path.name}:"), path
+
+
+def imports(path):
+    """The project modules a file imports, at its top or inside functions."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_import_cycles():
+    modules = {p.stem: p for p in code_files() if p.parent.name != "tests"}
+    graph = {m: imports(p) & set(modules) - {m} for m, p in modules.items()}
+
+    def visit(m, path):
+        assert m not in path, "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+        for n in graph[m]:
+            visit(n, path + [m])
+    for m in graph:
+        visit(m, [])
+
+
+def test_nothing_points_outside_the_repository():
+    texts = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".toml", ".ini", ".txt", ".cff")
+             and not SKIP & set(p.relative_to(ROOT).parts) and not p.relative_to(ROOT).parts[0].startswith("out")]
+    texts.append(ROOT / "Makefile")
+    for path in texts:
+        text = path.read_text()
+        assert not re.search("boost" + r"-notes|\.\./" + "shared", text), f"{path.relative_to(ROOT)} points outside the repository"

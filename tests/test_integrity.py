@@ -1,0 +1,214 @@
+"""test_integrity.py: damaged or untrusted files never run code or reach the weights (integrity.py,
+train_state.py, interchange.py): a crafted checkpoint .metadata or pytorch_model.bin runs nothing, a
+damaged meta.json or shard is named in one line by resume and export alike, pruning never removes the
+good checkpoint a run resumed from, and an import folder must fit its config.json exactly.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import integrity
+import interchange
+import train_state
+from conftest import ROOT, TINY, expect_error, metrics, run_train
+
+
+class Payload:
+    """A pickle that runs a shell command when unpickled: what a malicious file would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def tool(*args):
+    """interchange.py's command; (exit status, stderr's one line)."""
+    res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), *map(str, args)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    return res.returncode, res.stderr.strip()
+
+
+def one_line_error(code_err, *fragments):
+    code, err = code_err
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def rewrite_meta(ckpt, **changes):
+    """Edit a checkpoint's meta.json and give it the checksums of what it now records (as a careful
+    attacker would), so that only the checks behind them can catch it."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta.pop("meta_crc32")
+    for name in meta["files"]:
+        meta["files"][name] = {"bytes": (ckpt / name).stat().st_size, "crc32": integrity.crc32(ckpt / name)}
+    meta.update(changes)
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "meta_crc32": integrity.meta_crc32(meta)}))
+
+
+@pytest.fixture
+def checkpoint(tmp_path, data_dir):
+    run_train(tmp_path / "run", data_dir, "--max_iters=2", "--eval_interval=2", "--n_kv_head=4")
+    return Path(train_state.checkpoint_dirs(tmp_path / "run")[-1])
+
+
+def test_crafted_metadata_runs_nothing_on_resume_or_export(capsys, tmp_path, data_dir, checkpoint):
+    marker = tmp_path / "it_ran"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    rewrite_meta(checkpoint)   # its size and checksum recorded: only the unpickler stands in the way
+    out_dir = checkpoint.parent.parent
+    expect_error(capsys, [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, "--n_kv_head=4", "--init_from=resume", "--max_iters=4"],
+                 "is unreadable or corrupt")
+    one_line_error(tool("export", checkpoint, tmp_path / "m.pt"), "is unreadable or corrupt")
+    assert not marker.exists() and not (tmp_path / "m.pt").exists()
+    with pytest.raises(pickle.UnpicklingError, match="posix.system is not part of a checkpoint's metadata"):
+        integrity.MetadataUnpickler(open(checkpoint / ".metadata", "rb")).load()
+
+
+def test_crafted_weights_file_runs_nothing_on_import(tmp_path, checkpoint):
+    folder = tmp_path / "hf"
+    assert tool("export", checkpoint, folder, "--format=hf")[0] == 2   # a cola model has no hf form
+    cfg, state, _ = interchange.checkpoint_state(str(checkpoint))
+    interchange.write(folder, state, cfg, "cola", "bytes")
+    assert (folder / "model.safetensors").exists() and not (folder / "pytorch_model.bin").exists()
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "it_ran"
+    torch.save({"x": Payload(marker)}, folder / "pytorch_model.bin")
+    one_line_error(tool("import", folder, tmp_path / "new"), "holds more than tensors", "not unpickled")
+    assert not marker.exists()
+    torch.save(torch.zeros(3), folder / "pytorch_model.bin")   # a bare tensor, not a dict of them
+    one_line_error(tool("import", folder, tmp_path / "new"), "is not a dict of tensors")
+
+
+def test_damaged_meta_json_is_skipped_with_one_line(capsys, tmp_path, data_dir):
+    out = tmp_path / "run"
+    run_train(out, data_dir, "--max_iters=4", "--eval_interval=2")
+    newest, older = (Path(d) for d in train_state.checkpoint_dirs(out)[::-1])
+    meta = json.loads((newest / "meta.json").read_text())
+    for bad in (100, "abc"):   # an edit without the checksum, then a consistent lie
+        (newest / "meta.json").write_text(json.dumps({**meta, "iter_num": bad}))
+        lines = []
+        found, _, skipped = train_state.choose([str(newest), str(older)], meta["config"], "bytes", lines.append)
+        assert found == str(older) and skipped == [str(newest)]
+        assert lines == [f"skipping checkpoint {newest}: meta.json fails its checksum (edited or damaged)"]
+    rewrite_meta(newest, iter_num=100)
+    lines = []
+    with pytest.raises(ValueError, match="meta.json says iteration 100, the folder is iter_0000004"):
+        train_state.choose([str(newest)], meta["config"], "bytes", lines.append)
+    one_line_error(tool("export", newest, tmp_path / "m.pt"), "meta.json says iteration 100")
+
+
+def test_export_verifies_the_checksums(tmp_path, checkpoint):
+    shard = next(checkpoint.glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    one_line_error(tool("export", checkpoint, tmp_path / "m.pt"), f"{shard.name} fails its checksum")
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_pruning_after_a_skipped_checkpoint_keeps_the_good_one(tmp_path, data_dir):
+    """Good iter_2, corrupt iter_4: the resumed run (saving every 3) removes iter_4 at its first save
+    and never the iter_2 it resumed from until a newer good one exists (keep_checkpoints=2)."""
+    out, common = tmp_path / "run", ["--max_iters=4", "--eval_interval=2"]
+    run_train(out, data_dir, *common)
+    corrupt = Path(train_state.checkpoint_dirs(out)[-1])
+    shard = next(corrupt.glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    run_train(out, data_dir, "--max_iters=6", "--eval_interval=3", "--init_from=resume")
+    assert [Path(d).name for d in train_state.checkpoint_dirs(out)] == ["iter_0000003", "iter_0000006"]
+    resume = next(r for r in metrics(out, events=True) if r.get("event") == "resume")
+    assert resume["iter"] == 2
+    for d in train_state.checkpoint_dirs(out):
+        assert integrity.verify(d, json.loads(Path(d, "meta.json").read_text())) is None
+
+
+def fake_folder(folder, cfg_changes=(), drop=None, reshape=None, extra=None):
+    """An hf folder of a tiny dense model, altered."""
+    from model import Config, Llama
+    cfg = Config(arch="full", n_layer=2, n_embd=32, n_head=4, vocab_size=320, block_size=32, mlp_gate="silu")
+    interchange.write(folder, Llama(cfg).state_dict(), cfg, "hf", "bytes")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(dict(cfg_changes))
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = torch.zeros(3, 3)
+    if extra:
+        tensors[extra] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    (dict(cfg_changes={"num_hidden_layers": 1}), "tensor(s) that config.json's model has no place for, the first model.layers.1."),
+    (dict(drop="model.layers.0.mlp.up_proj.weight"), "the weights have no model.layers.0.mlp.up_proj.weight"),
+    (dict(reshape="model.norm.weight"), "model.norm.weight is (3, 3), config.json's model needs (32,)"),
+    (dict(extra="model.layers.0.self_attn.q_proj.bias"), "the first model.layers.0.self_attn.q_proj.bias"),
+    (dict(cfg_changes={"num_attention_heads": 0}), "num_attention_heads=0 is not a positive integer"),
+    (dict(cfg_changes={"hidden_size": "32"}), "hidden_size='32' is not a positive integer"),
+    (dict(cfg_changes={"rms_norm_eps": "tiny"}), "rms_norm_eps='tiny' is not a number"),
+    (dict(cfg_changes={"num_hidden_layers": None}), "num_hidden_layers=None is not a positive integer"),
+])
+def test_import_checks_the_folder_against_its_config(tmp_path, changes, fragment):
+    folder = fake_folder(tmp_path / "hf", **changes)
+    one_line_error(tool("import", folder, tmp_path / "new"), fragment)
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_import_command_errors(tmp_path):
+    folder = fake_folder(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    del config["intermediate_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    one_line_error(tool("import", folder, tmp_path / "new"), "config.json has no intermediate_size")
+    (folder / "config.json").write_text("[1, 2]")
+    one_line_error(tool("import", folder, tmp_path / "new"), "config.json is not a JSON object")
+    folder = fake_folder(tmp_path / "good")
+    (tmp_path / "a_file").write_text("")
+    one_line_error(tool("import", folder, tmp_path / "a_file"), "is a file: import needs a new or empty out_dir")
+    assert tool("import", folder, tmp_path / "new")[0] == 0
+    one_line_error(tool("import", folder, tmp_path / "new"), "holds an earlier run", "import into a new or empty out_dir")
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_behind(capsys, monkeypatch, tmp_path, data_dir):
+    """Token files and checkpoint shards written to /dev/full (ENOSPC, as on a full filesystem):
+    one line each, no temporary file left to fill the disk, the earlier checkpoint untouched."""
+    import builtins
+    import data
+    import prepare
+    real_open, real_path_open = builtins.open, Path.open
+
+    def full(path, mode="r", *args, **kw):
+        return real_open("/dev/full" if ".bin." in str(path) and "w" in mode else path, mode, *args, **kw)
+    monkeypatch.setattr(prepare, "open", full, raising=False)
+    with pytest.raises(ValueError, match="cannot write the token files in .* MB free there\\); nothing was kept"):
+        prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lambda *a: None)
+    assert not list((tmp_path / "d").rglob("*.tmp")) and not list((tmp_path / "d").rglob("meta.json"))
+    monkeypatch.undo()
+    out = tmp_path / "run"
+    run_train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+
+    def full_shard(self, mode="r", *args, **kw):
+        return real_open("/dev/full", mode) if self.suffix == ".distcp" and "w" in mode else \
+            real_path_open(self, mode, *args, **kw)
+    monkeypatch.setattr(Path, "open", full_shard)
+    expect_error(capsys, [f"--out_dir={out}", f"--data_dir={data_dir}", *TINY, "--init_from=resume", "--max_iters=4",
+                          "--eval_interval=2"], "cannot write checkpoint", "No space left on device",
+                 "the previous checkpoints are untouched")
+    monkeypatch.undo()
+    assert [Path(d).name for d in train_state.checkpoint_dirs(out)] == ["iter_0000002"]
+    assert not (out / "checkpoints" / "iter_0000004.tmp").exists()

@@ -1,0 +1,86 @@
+"""test_pipeline.py: pipeline stages (pp=2, pp x tp, dp x pp) against the single-device model, and
+train.py's pipelined runs and checkpoints equal to one process.
+"""
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import layouts
+import parallel
+from conftest import TINY, losses, metrics, run_train, small_cfg, spawn, torchrun
+from model import Llama
+
+
+def _pipeline_worker(rank, world, meshes):
+    for dp, pp, tp in meshes:
+        mesh = parallel.init_mesh(dp, tp, "cpu", 120, pp)
+        tp_handle = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
+        dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+        for arch, layout, schedule, tied in (("cola", "btp", "1f1b", False), ("full", "megatron", "gpipe", False),
+                                             ("cola", "btp", "1f1b", True)):
+            where = f"{arch}/{layout} {schedule} tied={tied} dp={dp} pp={pp} tp={tp}"
+            torch.manual_seed(0)
+            ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied))
+            idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+            tgt = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(2))
+            loss = ref(idx, tgt)[1]
+            loss.backward()
+            stage = layouts.TPLlama(ref, tp_handle, layout, stage=pp_rank, stages=pp)
+            pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
+            share = slice(dp_rank * 8 // dp, (dp_rank + 1) * 8 // dp)
+            parallel.LEDGER.reset()
+            pipe_loss = torch.tensor(pipe.run(idx[share], tgt[share]))
+            parallel.all_reduce_grads(stage, mesh.get_group("dp"))
+            parallel.reduce_tied_grad(stage, mesh.get_group("pp"))
+            dist.all_reduce(pipe_loss, group=mesh.get_group("dp"))
+            torch.testing.assert_close(pipe_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
+            grads = stage.full_tensors(grads=True)
+            for name, g in grads.items():
+                torch.testing.assert_close(g, dict(ref.named_parameters())[name].grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{where} grad of {name}: {m}")
+            held = [None] * pp
+            dist.all_gather_object(held, sorted(grads), group=mesh.get_group("pp"))
+            shared = ["tok_emb.weight"] if tied else []   # on the first and the last stage
+            assert sorted(sum(held, [])) == sorted([n for n, _ in ref.named_parameters()] + shared), where
+            d_local = 64 // tp if layout == "btp" else 64   # what crosses the stage boundary per token
+            sent = {phase: parallel.LEDGER.total("pp", phase) for phase in ("fwd", "bwd")}
+            assert sent["fwd"] == (0 if pp_rank == pp - 1 else 8 // dp * 16 * d_local), (where, sent)
+            assert sent["bwd"] == (0 if pp_rank == 0 else 8 // dp * 16 * d_local), (where, sent)
+
+
+def test_pipeline_pp2_equals_single_device():
+    spawn(2, _pipeline_worker, [(1, 2, 1)])
+
+
+def test_pipeline_pp2_tp2_and_dp2_pp2_equal_single_device():
+    spawn(4, _pipeline_worker, [(1, 2, 2), (2, 2, 1)])
+
+
+PP_RUN = ["--n_layer=4", "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--batch_size=1",
+          "--gradient_accumulation_steps=4"]
+
+
+@pytest.mark.parametrize("nproc, layout", [(2, ["--pp=2"]), (4, ["--pp=2", "--tp=2", "--recompute=lowrank"]),
+                                           (4, ["--pp=2", "--dp=2", "--pp_schedule=gpipe"])])
+def test_pipeline_training_reproduces_single_device(tmp_path, data_dir, nproc, layout):
+    single = run_train(tmp_path / "one", data_dir, *PP_RUN)
+    torchrun(nproc, f"--out_dir={tmp_path / 'pp'}", f"--data_dir={data_dir}", *TINY, *PP_RUN, *layout)
+    records = metrics(tmp_path / "pp")
+    assert all(r["pp_bytes"] > 0 for r in records if "loss" in r)
+    torch.testing.assert_close(torch.tensor(losses(records)), torch.tensor(losses(single)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(records[-1]["val_loss"]), torch.tensor(single[-1]["val_loss"]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_moves_between_pipeline_degrees(tmp_path, data_dir):
+    common = [f"--data_dir={data_dir}", *TINY, *PP_RUN, "--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8"]
+    straight = losses(run_train(tmp_path / "straight", data_dir, *common[1:]))
+    torchrun(2, f"--out_dir={tmp_path / 'pp2'}", *common, "--max_iters=4", "--pp=2")
+    run_train(tmp_path / "pp1", data_dir, *common[1:], "--max_iters=4")
+    for src, dst, nproc, layout in (("pp2", "to_pp1", 1, []), ("pp1", "to_pp2", 2, ["--pp=2"])):
+        shutil.copytree(tmp_path / src / "checkpoints", tmp_path / dst / "checkpoints")
+        torchrun(nproc, f"--out_dir={tmp_path / dst}", *common, "--init_from=resume", *layout)
+        torch.testing.assert_close(torch.tensor(losses(metrics(tmp_path / dst))), torch.tensor(straight[4:]),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{src} -> {dst}: {m}")

@@ -1,0 +1,64 @@
+"""test_tools.py: the tools run and agree with the core: the cost model's FLOPs equal model.py's, its
+collectives are layouts.per_layer_traffic's, and every bench of tools/bench.py runs end to end.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import layouts
+from conftest import ROOT
+from model import Config, Llama
+
+
+def test_cost_model_matches_model_and_ledger():
+    import costmodel
+    for name, sh in costmodel.SHAPES.items():
+        cfg = Config(arch="cola", n_layer=sh.n_layer, n_embd=sh.n_embd, mlp_width=sh.mlp_width, n_head=sh.n_head,
+                     n_kv_head=sh.n_kv_head, vocab_size=sh.vocab_size, block_size=4096)
+        with torch.device("meta"):
+            for arch, layout in (("cola", "btp"), ("full", "megatron")):
+                cfg.arch = arch
+                assert costmodel.flops_per_token(sh, layout, 4096) == Llama(cfg).flops_per_token(4096), (name, arch)
+    # its collectives are the layouts' formulas (which the ledger test measures): a Shape reads as a Config
+    sh = costmodel.Shape(2, 64, 176, 8, 4, 128, rank=16)
+    cfg = Config(arch="cola", n_layer=2, n_embd=64, mlp_width=176, n_head=8, n_kv_head=4, vocab_size=128,
+                 attn_rank=16, mlp_rank=16)
+    for layout in layouts.LAYOUTS:
+        assert costmodel.per_layer_traffic(layout, sh) == layouts.per_layer_traffic(layout, cfg), layout
+    text, out = costmodel.report()
+    assert out["mean_abs_rel_error"] < 0.5 and "| 7B | 4 | 1 |" in text
+
+
+def test_bench_runs_end_to_end(tmp_path):
+    tiny = ["--n_embd=32", "--n_layer=2", "--n_head=4", "--block_size=16", "--batch_size=2", "--iters=1"]
+    for what in (["layouts", "--tp=1,2", *tiny], ["traffic", "--n_embd=32", "--n_head=4"], ["model"]):
+        res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), *what, f"--json_dir={tmp_path / 'j'}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert json.loads((tmp_path / "j" / f"bench-{what[0]}.json").read_text())
+    assert "cola/btp recompute=lowrank" in (tmp_path / "j" / "bench-layouts.json").read_text()
+    import bench_comm
+    import options
+    cfg, _ = options.parse_args(tiny[:-2])
+    res = bench_comm.measure(1, 2, cfg, 2, 1)   # the comm bench's worker: every layout, three ways
+    assert set(res) >= {(f"{a}/{lay}", mode) for a, lay in bench_comm.CASES for mode in bench_comm.MODES}
+    assert all(v > 0 for v in res.values())
+    assert not list(tmp_path.glob("*.json"))  # nothing in the current directory
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "-h"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "bench.py layouts" in res.stdout
+
+
+def test_every_bench_prints_its_help_and_runs_nothing(tmp_path):
+    import bench
+    for what in bench.BENCHES:
+        res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), what, "-h"], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+        assert res.returncode == 0 and res.stdout.startswith(f"usage: python tools/bench.py {what} "), (what, res.stderr)
+        assert f"python tools/bench.py {what} " in res.stdout.splitlines()[2]
+    assert list(tmp_path.iterdir()) == []   # no corpus, no results: nothing ran
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "nope"], capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.startswith("error: name one of archs")
