@@ -15,6 +15,7 @@ from pathlib import Path
 import data
 
 PIECE = 16 << 10             # bytes: documents are cut at the first line end past this many bytes
+LONGEST = 4 * PIECE          # bytes: a piece with no line end in it is cut here
 CHUNK = 1 << 20              # bytes of text per task sent to a worker
 JSON_SUFFIXES = (".jsonl", ".json")
 
@@ -26,12 +27,23 @@ def kind_of(path):
 
 
 def pieces(buf, final):
-    """Cut bytes into pieces that end at the first b'\\n' at or past PIECE bytes from their start:
-    (complete pieces, the rest). Feeding the rest back with more bytes gives the same cuts."""
+    """Cut bytes into pieces that end at the first b'\\n' at or past PIECE bytes from their start, or,
+    where no line ends before LONGEST bytes, at the last UTF-8 character boundary there: (complete
+    pieces, the rest). Feeding the rest back with more bytes gives the same cuts, and no piece, so
+    no buffer, grows with the length of a line."""
     out, start = [], 0
-    while (nl := buf.find(b"\n", start + PIECE - 1)) >= 0:
-        out.append(buf[start:nl + 1])
-        start = nl + 1
+    while True:
+        nl = buf.find(b"\n", start + PIECE - 1, start + LONGEST)
+        if nl >= 0:
+            end = nl + 1
+        elif len(buf) - start > LONGEST:
+            end = start + LONGEST
+            while buf[end] & 0xC0 == 0x80:   # a continuation byte: the cut would split a character
+                end -= 1
+        else:
+            break
+        out.append(buf[start:end])
+        start = end
     rest = buf[start:]
     if final and rest:
         out, rest = out + [rest], b""

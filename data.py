@@ -1,4 +1,4 @@
-"""data.py: tokenisers, the corpus's files, and deterministic per-rank batches from token files.
+"""data.py: tokenisers, token files and deterministic per-rank batches: what training reads.
 
 Not part of the BOOST paper (arXiv 2512.12131) itself; it is what makes every layout comparable:
 the global batch of a step is a function of (seed, step) alone, so a data-parallel or
@@ -7,10 +7,14 @@ exactly what an uninterrupted one would.
 
 This file holds what training reads: the tokenizers, and the token files of a prepared corpus,
 <data_dir>/<name>-<tokenizer>/train.bin and val.bin (memmapped integers, nanoGPT style) beside
-meta.json (tokeniser, vocabulary size, token counts, source fingerprint). Everything that turns a
-corpus's files into token files is prepare.py.
+meta.json (tokeniser, vocabulary size, token counts, checksums, source fingerprint). Everything that
+turns a corpus's files into token files is prepare.py (and corpus.py). This file imports no torch
+at import time, so prepare.py's workers stay small; hence the one helper the commands beside
+train.py share lives here too: CommandParser, argparse with train.py's one-line errors.
 """
+import argparse
 import json
+import sys
 import zlib
 from pathlib import Path
 
@@ -84,3 +88,12 @@ def unigram_entropy(folder, split="train"):
     p = np.bincount(data).astype(np.float64)
     p = p[p > 0] / len(data)
     return float(-(p * np.log(p)).sum())
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for the commands beside train.py (prepare.py, interchange.py): an error is one
+    `error:` line and exit status 2, as train.py's."""
+
+    def error(self, message):
+        print(f"error: {message} (-h for help)", file=sys.stderr)
+        sys.exit(2)

@@ -350,8 +350,7 @@ def _positive(text):
 
 def cli(argv):
     import data
-    import options
-    parser = options.CommandParser(prog="interchange.py", description="Export a training checkpoint (one file, or "
+    parser = data.CommandParser(prog="interchange.py", description="Export a training checkpoint (one file, or "
                                 "a folder other tools read), import such a folder as a checkpoint, or sample.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a checkpoint as one file (pt) or a Hugging Face / CoLA folder")

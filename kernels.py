@@ -99,9 +99,11 @@ def _which(op, shape_key, fn, args):
 
 
 def _time(fn, args, name, runs=3):
-    """ms of forward + backward of fn under implementation `name`, on copies of args."""
+    """ms of forward + backward of fn under implementation `name`, on copies of args: with grad on
+    (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
+    activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
     import time
-    with using(name):
+    with using(name), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
         sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
         for i in range(runs + 1):

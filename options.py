@@ -6,13 +6,11 @@ TrainConfig's; names follow nanoGPT. A wrong name (with the closest ones suggest
 wrong type or out of range, a shape that cannot be built or a layout that cannot split it is a
 ValueError with one clear line, which train.py prints as `error: ...` and exits 2, before any work.
 """
-import argparse
 import difflib
 import inspect
 import math
 import os
 import re
-import sys
 import tomllib
 from dataclasses import dataclass, fields
 
@@ -22,6 +20,7 @@ import checkpointing
 import data
 import kernels
 import layouts
+import prepare
 from model import ARCHS, GATES, Config
 
 
@@ -231,22 +230,10 @@ def check_values(tc):
             raise ValueError("explain=true runs one step and exits: there is nothing for profile to trace")
     if tc.overwrite and tc.init_from != "scratch":
         raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} continues it: choose one")
-    check_preparation(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
+    prepare.check_preparation(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
     if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
         raise ValueError(f"out_dir={tc.out_dir} is a file, not a folder")
     check_device(tc.device)
-
-
-def check_preparation(dataset, data_dir, num_proc, val_fraction):
-    """ValueError naming the option where a preparation option is out of range."""
-    if dataset != data.EMBEDDED and not os.path.exists(dataset):
-        raise ValueError(f"dataset path {dataset} does not exist")
-    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-        raise ValueError(f"data_dir={data_dir} is a file, not a folder")
-    if num_proc < 0:
-        raise ValueError(f"num_proc={num_proc} must not be negative (0: every CPU)")
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
 
 
 def check_device(device):
@@ -282,14 +269,3 @@ def plan_parallel(cfg, tc, world):
         raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: raise "
                          f"gradient_accumulation_steps to {tc.pp * dp} or use --pp_schedule=gpipe")
     return dp, layout
-
-
-
-
-class CommandParser(argparse.ArgumentParser):
-    """argparse for the commands beside train.py (prepare.py, interchange.py): an error is one
-    `error:` line and exit status 2, as train.py's."""
-
-    def error(self, message):
-        print(f"error: {message} (-h for help)", file=sys.stderr)
-        sys.exit(2)

@@ -260,6 +260,14 @@ def column_parallel(x, Ws, tp, sliced=False):
     return kernels.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]
 
 
+def finish(world):
+    """The end of a torchrun job's process: leave the group together (no rank closes its connections
+    while a peer still uses them)."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def exit_worker(world):
     """The end of a spawned worker (tests, tools/bench.py): leave the group together, then exit at once: at
     interpreter teardown gloo's threads can abort the process ('terminate called without an active

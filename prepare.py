@@ -8,10 +8,10 @@ Not part of the BOOST paper (arXiv 2512.12131); what a pretraining run needs bef
 corpus.py reads the corpus (text, JSON Lines, their .gz; a file or a folder) as a stream of pieces of
 about 16 KiB, which `num_proc` worker processes tokenise in chunks; the tokens are appended to the
 split files as they come, so memory does not grow with the corpus, and the tokens do not depend on
-the number of workers. A document goes to the validation split when a
-hash of its index falls below `val_fraction` (so a folder sorted by kind does not put one kind into
-val), the first document always; a corpus that is one text file has no documents to split by, so
-there the pieces are split the same way. <|endoftext|> follows every document.
+the number of workers. A document goes to the validation split when a hash of its index falls
+below `val_fraction` (so a folder sorted by kind does not put one kind into val; a document longer
+than UNIT pieces goes in units of UNIT pieces), the first document always; a corpus that is one
+text file has no documents to split by, so there the pieces are split the same way. <|endoftext|> follows every document.
 
 Nothing is lost in silence: invalid UTF-8 bytes are replaced and counted, malformed JSON lines and
 binary files (a NUL byte in the first 8 KiB) are skipped and counted; the summary line names the
@@ -19,6 +19,7 @@ first of each. The files are written under unique temporary names and published 
 meta.json last (token counts, file sizes, the source's fingerprint); an interrupted preparation is
 redone, never read; a lock makes a second process wait for the first one's files.
 """
+import array
 import codecs
 import fcntl
 import hashlib
@@ -35,7 +36,8 @@ import numpy as np
 import corpus
 import data
 
-FORMAT = 3                   # bumped when the same source would give other token files
+UNIT = 16                    # pieces (256 KiB to 1 MiB): a longer document is split in units of this many
+FORMAT = 4                   # bumped when the same source would give other token files
 PROGRESS_S = 5.0             # seconds between progress lines
 
 
@@ -45,11 +47,23 @@ def token_dtype(n_vocab):
 
 
 def to_val(doc, piece, fraction):
-    """The split of a unit, a document (piece 0) or a piece of the one document of a single text file:
-    a hash of its index, uniform in [0, 1), below fraction. The first unit always goes to val, so
-    a small corpus always has one."""
+    """The split of a unit: a document, UNIT pieces of a longer one, or a piece of the one document
+    of a single text file: a hash of its index, uniform in [0, 1), below fraction. The first unit
+    always goes to val, so a small corpus always has one."""
     h = hashlib.blake2b(f"{doc}:{piece}".encode(), digest_size=8).digest()
     return (doc, piece) == (0, 0) or int.from_bytes(h, "little") / 2 ** 64 < fraction
+
+
+def check_preparation(dataset, data_dir, num_proc, val_fraction):
+    """ValueError naming the option where a preparation option is out of range."""
+    if dataset != data.EMBEDDED and not os.path.exists(dataset):
+        raise ValueError(f"dataset path {dataset} does not exist")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ValueError(f"data_dir={data_dir} is a file, not a folder")
+    if num_proc < 0:
+        raise ValueError(f"num_proc={num_proc} must not be negative (0: every CPU)")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
 
 
 def prepared_dir(dataset, tokenizer, data_dir):
@@ -83,7 +97,8 @@ def tokenize(task):
     ("text", file, document, piece index, bytes, last piece of the document) and
     ("jsonl", file, document, line number, line bytes, None)."""
     (fraction, field, by_piece), items = task
-    train, val = [], []
+    typecode = "H" if token_dtype(_enc.n_vocab) == np.uint16 else "I"
+    train, val = array.array(typecode), array.array(typecode)   # 2 or 4 bytes a token, not a Python int
     stats = {"docs": 0, "bad_bytes": 0, "bad_files": [], "bad_lines": 0, "first_bad_line": None,
              "train_units": 0, "val_units": 0}
     _bad[0] = 0
@@ -93,9 +108,9 @@ def tokenize(task):
         if last:
             ids.append(_enc.eot_token)
             stats["docs"] += 1
-        split = "val" if to_val(doc, k if by_piece else 0, fraction) else "train"
+        split = "val" if to_val(doc, k if by_piece else k // UNIT, fraction) else "train"
         (val if split == "val" else train).extend(ids)
-        if last or by_piece:
+        if last or by_piece or (k + 1) % UNIT == 0:
             stats[f"{split}_units"] += 1
 
     for kind, file, doc, k, blob, last in items:
@@ -118,7 +133,7 @@ def tokenize(task):
             stats["bad_files"].append(file)
     stats["bad_bytes"] = _bad[0]
     dtype = token_dtype(_enc.n_vocab)
-    return np.array(train, dtype=dtype), np.array(val, dtype=dtype), stats
+    return np.frombuffer(train, dtype=dtype), np.frombuffer(val, dtype=dtype), stats
 
 
 def _results(tasks, tokenizer, num_proc):
@@ -180,8 +195,7 @@ def ready(out, fp, log=None):
 
 def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_field="text", log=print):
     """Tokenise `dataset` into <data_dir>/<name>-<tokenizer>/ unless already prepared; return the folder."""
-    import options   # (here, not on top: the worker processes import this file and need no torch)
-    options.check_preparation(dataset, data_dir, num_proc, val_fraction)
+    check_preparation(dataset, data_dir, num_proc, val_fraction)
     out = prepared_dir(dataset, tokenizer, data_dir)
     fp = fingerprint(dataset, val_fraction, text_field)
     if ready(out, fp):
@@ -279,8 +293,7 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
 
 
 def main(argv):
-    import options
-    parser = options.CommandParser(prog="prepare.py", description="Tokenise a corpus into <data_dir>/<name>-<tokenizer>/ "
+    parser = data.CommandParser(prog="prepare.py", description="Tokenise a corpus into <data_dir>/<name>-<tokenizer>/ "
                                 "(train.py does this on first use; the option names are train.py's).")
     parser.add_argument("--dataset", required=True, help="a text, .jsonl or .gz file, or a folder of them, or 'pydoc'")
     parser.add_argument("--tokenizer", default="bytes", choices=data.TOKENIZERS)

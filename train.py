@@ -65,7 +65,7 @@ def main(argv):
             import explain
             place = place_processes(tc, world, dp, device)
             explain.main(cfg, tc, place, layout, build_model(cfg, tc, place, layout)[0])
-            finish(world)
+            parallel.finish(world)
             return
         if master:
             held = rundir.lock(tc.out_dir)   # a second run into this out_dir stops here
@@ -162,7 +162,7 @@ def fault_at(tc, kind, iter_num):
 # ------------------------------------------------------------------------------ the run
 
 def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
-    """The run; returns the signal number that interrupted it, or 0."""
+    """The run; returns the signal number that interrupted it, or 0. Rank 0 speaks for the job."""
     master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
     try:  # rank 0 prepares the corpus before the process group starts, so an hour of it meets no timeout
@@ -193,7 +193,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
         sample(run)
-    finish(world)
+    parallel.finish(world)
     return signum
 
 
@@ -245,6 +245,7 @@ class Run:
         return t.item() / self.place.dp
 
 
+@torch.no_grad()
 def evaluate(run):
     """Mean loss over eval_iters fixed global batches per split (the same at every evaluation)."""
     run.model.eval()
@@ -388,12 +389,6 @@ def sample(run):
     with run.autocast:
         run.log("sample:\n" + interchange.sample_text(run.raw_model, data.get_tokenizer(tc.tokenizer),
                                                       tc.sample_tokens, run.place.device))
-
-
-def finish(world):   # no rank closes its connections while a peer still uses them
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, data_dir):
     assert losses(resumed) == straight  # iterations 0-3 from the first run, 4-7 resumed: bit for bit
 
 
+@pytest.mark.slow
 def test_data_parallel_equals_single_process(tmp_path, data_dir):
     common = [f"--data_dir={data_dir}", *TINY, "--max_iters=4", "--eval_interval=100",
               "--gradient_accumulation_steps=4", "--batch_size=2"]
@@ -264,12 +265,14 @@ def straight(tmp_path_factory, data_dir):
     return losses(run_train(tmp_path_factory.mktemp("straight"), data_dir, *CKPT_RUN))
 
 
+@pytest.mark.slow
 def test_checkpoint_reshards_across_layouts(tmp_path, data_dir, straight):
     common = [f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
     torchrun(2, f"--out_dir={tmp_path / 'tp2'}", *common, "--max_iters=4", "--tp=2")
     written = train_state.checkpoint_dirs(tmp_path / "tp2")
     assert [Path(d).name for d in written] == ["iter_0000004"]
-    for name, nproc, layout in (("tp1", 1, []), ("tp4", 4, ["--tp=4"]), ("dp2tp2", 4, ["--tp=2", "--dp=2"])):
+    # (tp=4 loads the same DTensor shards another way; test_pipeline's checkpoint test moves pp too)
+    for name, nproc, layout in (("tp1", 1, []), ("dp2tp2", 4, ["--tp=2", "--dp=2"])):
         shutil.copytree(tmp_path / "tp2" / "checkpoints", tmp_path / name / "checkpoints")
         res = torchrun(nproc, f"--out_dir={tmp_path / name}", *common, "--init_from=resume", *layout)
         assert "resuming from" in res.stdout and "iter_0000004" in res.stdout
@@ -279,6 +282,7 @@ def test_checkpoint_reshards_across_layouts(tmp_path, data_dir, straight):
                                    msg=lambda m: f"resumed at {name}: {m}")
 
 
+@pytest.mark.slow
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, data_dir, straight):
     common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=12"]
     res = torchrun(1, *common, "--inject_fault=kill_in_save:8", check=False)
@@ -291,6 +295,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, data_dir, straight
     assert losses(metrics(tmp_path)) == straight[4:]  # exact: same layout, same state
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_and_finishes_like_uninterrupted(tmp_path, data_dir, straight):
     common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--init_from=auto"]
     res = torchrun(2, *common, "--inject_fault=kill:6", launcher=["--max-restarts=1"], timeout=400)
@@ -303,6 +308,7 @@ def test_killed_rank_restarts_and_finishes_like_uninterrupted(tmp_path, data_dir
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, straight):
     common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
     res = torchrun(1, *common, "--inject_fault=nan:6", check=False)
@@ -314,6 +320,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, str
     assert losses(metrics(tmp_path)) == straight[4:]
 
 
+@pytest.mark.slow
 def test_export_unsharded_and_generate(tmp_path, data_dir):
     torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--max_iters=4", "--tp=2")
     ckpt = train_state.checkpoint_dirs(tmp_path)[-1]

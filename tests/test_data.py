@@ -141,6 +141,7 @@ def peak_rss_mb(dataset, data_dir):
     return [float(x) for x in res.stdout.split()]
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     block = "".join(documents(400)).encode()            # about 0.6 MB, repeated
     sizes = {}
@@ -158,6 +159,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
 
 # ---------------------------------------------------------------------------- never half-used, never short
 
+@pytest.mark.slow
 def test_killed_preparation_is_redone_and_never_read(tmp_path):
     big = tmp_path / "big.jsonl"
     write_jsonl(big, documents(400) * 60)                # about 40 MB: several seconds
@@ -231,6 +233,7 @@ def test_command_prints_the_summary(tmp_path):
     assert "30 documents" in res.stdout and "MB/s, 2 processes" in res.stdout and "data: ready in" in res.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_wait_for_rank_0_past_the_timeout(tmp_path):
     """Rank 0 is kept waiting 8 s on the preparation lock (as behind a long preparation); with a 3 s
     process-group timeout the other rank must wait outside any collective."""
@@ -268,3 +271,34 @@ def test_changed_token_file_is_prepared_again_and_foreign_ids_refused(capsys, tm
     (out / "meta.json").write_text(json.dumps({**meta, "max_id": 400}))   # as from a larger vocabulary
     expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}", *TINY],
                  "holds token ids up to 400, the model's vocabulary has 320")
+
+
+@pytest.mark.slow
+def test_one_long_line_or_document_is_cut_and_split(tmp_path):
+    """A corpus that is one 16 MB line (no line end at all) is cut into pieces at character
+    boundaries, so memory stays as for any corpus; one 16 MB JSON document is split in units of
+    about 1 MiB, so val holds about val_fraction of the tokens, not all of them."""
+    line = ("ünïcödé wörds " * (16 * 2 ** 20 // 20))[: 16 * 2 ** 20 // 2]
+    (tmp_path / "line.txt").write_text(line)
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"text": line}) + "\n")
+    small = tmp_path / "small.txt"
+    small.write_text(line[: 2 ** 20])
+    base_main, base_worker = peak_rss_mb(small, tmp_path / "s")
+    main, worker = peak_rss_mb(tmp_path / "line.txt", tmp_path / "d")
+    assert main - base_main < 30 and worker - base_worker < 30, (main, worker, base_main, base_worker)
+    for name in ("line.txt", "doc.jsonl"):
+        out = prepare.prepare(str(tmp_path / name), "bytes", tmp_path / "d", num_proc=1, val_fraction=0.3,
+                              log=lambda *a: None)
+        meta = json.loads((out / "meta.json").read_text())
+        share = meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"])
+        assert 0.1 < share < 0.6, (name, share)   # (about 11 units of 1 MiB for the document: a coarse split)
+        text = np.fromfile(out / "train.bin", dtype=meta["dtype"]).astype(np.uint8)[:1000].tobytes()
+        text.decode("utf-8")   # the cuts never split a character (bytes tokenizer: ids are the bytes)
+
+
+def test_num_proc_above_the_cpus_is_capped_with_one_line(tmp_path):
+    lines = []
+    prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1000, log=lines.append)
+    cpus = len(os.sched_getaffinity(0))
+    assert f"data: num_proc=1000 is more than the {cpus} CPUs this process may use: using {cpus}" in lines
+    assert f"{cpus} process" in lines[-1]

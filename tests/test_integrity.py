@@ -115,6 +115,7 @@ def test_export_verifies_the_checksums(tmp_path, checkpoint):
     assert not (tmp_path / "m.pt").exists()
 
 
+@pytest.mark.slow
 def test_pruning_after_a_skipped_checkpoint_keeps_the_good_one(tmp_path, data_dir):
     """Good iter_2, corrupt iter_4: the resumed run (saving every 3) removes iter_4 at its first save
     and never the iter_2 it resumed from until a newer good one exists (keep_checkpoints=2)."""

@@ -81,6 +81,7 @@ def test_rms_norm_kernel(dtype):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_btp_training_with_triton_kernels_matches_torch(tmp_path, data_dir, tp):
     """At tp=2 the BTP layout, at tp=1 the single-device model run as BTP with a TP group of one
@@ -144,6 +145,7 @@ def _nvidia_backend():
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _nvidia_backend(), reason="this Triton install has no NVIDIA backend (no ptxas to compile with)")
 def test_kernels_compile_for_a100_and_h100_without_spills():
     """Every kernel with every tile configuration of triton_kernels.GEMM_CONFIGS, for sm_80 (A100) and
@@ -163,3 +165,29 @@ def test_kernels_compile_for_a100_and_h100_without_spills():
                 assert r["spill_bytes"] == 0, r
                 if r["gemm"] and dtype == "bf16":
                     assert (r["wgmma"] if sm == 90 else r["mma"]), r
+
+
+@pytest.mark.parametrize("recompute", ["lowrank", "layer"])
+def test_auto_timing_inside_a_recompute_segment(capsys, recompute):
+    """--kernels=auto times a new shape the first time it comes, which may be inside an activation-
+    checkpoint segment (the first step after a resume): the timing runs with grad on and past the
+    segment's saved-tensor hooks, so the recomputation matches and the gradients are the reference's."""
+    import checkpointing
+    import layouts
+    import parallel
+    from model import Config, Llama
+    cfg = Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=8, vocab_size=64)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in ("torch", "auto"):
+        torch.manual_seed(0)
+        model = layouts.TPLlama(Llama(cfg, recompute=recompute, layer_runner=checkpointing.run_layers),
+                                parallel.TP(None, 0, 1), "btp")
+        kernels.select("torch", "cpu")   # (forgets earlier choices: every shape is new to auto)
+        with kernels.using(mode):
+            model(idx, idx)[1].backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    kernels.select("torch", "cpu")
+    assert "kernels: norm_down" in capsys.readouterr().out   # auto did time inside the segments
+    for name, g in grads["torch"].items():
+        torch.testing.assert_close(grads["auto"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -5,8 +5,6 @@ equivalence tests. Run: .venv/bin/python -m pytest -q
 """
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -110,6 +108,7 @@ def test_tied_gradient_is_the_sum_of_both_uses():
     assert tied.num_params() == untied.num_params() - 64 * 32
 
 
+@pytest.mark.slow
 def test_tied_and_gate_train_alike_under_pp_and_resume_under_tp(tmp_path, data_dir):
     run = [f"--data_dir={data_dir}", *TINY, "--n_layer=4", "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4",
            "--batch_size=1", "--gradient_accumulation_steps=2", "--tie_embeddings=true", "--mlp_gate=silu"]
@@ -135,6 +134,7 @@ def logits_of(model, idx):
         return model(idx, idx)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, fmt", [
     (["--arch=full"], "hf"), (["--arch=full", "--tie_embeddings=true"], "hf"), (["--arch=svd"], "hf"),
     (["--arch=cola", "--n_kv_head=4"], "cola"), (["--arch=cola", "--n_kv_head=4", "--mlp_gate=silu"], "cola"),
@@ -145,9 +145,7 @@ def test_export_import_round_trip(tmp_path, data_dir, extra, fmt):
     original = Llama(cfg)
     original.load_state_dict(state)
     out = tmp_path / f"exported.{fmt}"
-    res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", ckpt, str(out), f"--format={fmt}"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert res.returncode == 0, res.stderr
+    interchange.cli(["export", ckpt, str(out), f"--format={fmt}"])
     idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     if fmt == "pt":
         back = interchange.load_exported(str(out))[0]
@@ -177,23 +175,26 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path):
         assert not (tmp_path / "x").exists()
 
 
-def test_export_and_import_command_errors(tmp_path, data_dir):
+@pytest.mark.slow
+def test_export_and_import_command_errors(capsys, tmp_path, data_dir):
     ckpt = trained_checkpoint(tmp_path / "run", data_dir, "--arch=cola")
     cases = [(["export", ckpt, str(tmp_path / "o"), "--format=hf"], "use --format=cola"),
              (["export", ckpt, str(tmp_path / "o"), "--format=onnx"], "invalid choice: 'onnx'"),
              (["import", str(tmp_path / "nothing"), str(tmp_path / "x")], "is not a model folder"),
              (["import", str(ROOT / "configs"), str(tmp_path / "x")], "is not a model folder")]
-    subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", ckpt, str(tmp_path / "pt")], check=True,
-                   cwd=ROOT, timeout=120)
-    for args, fragment in cases:
-        res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), *args], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT)
-        err = res.stderr.strip()
-        assert res.returncode == 2 and err.startswith("error: ") and "\n" not in err and fragment in err, err
-    res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), "export", "-h"], capture_output=True, text=True)
-    assert "hf: Hugging Face Llama" in res.stdout and "cola: the official CoLA format" in res.stdout
+    interchange.cli(["export", ckpt, str(tmp_path / "pt")])
+    for args, fragment in cases:   # the command in this process (its subprocess form: test_integrity.py)
+        with pytest.raises(SystemExit) as exc:
+            interchange.cli(args)
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and err.startswith("error: ") and "\n" not in err and fragment in err, err
+    with pytest.raises(SystemExit):
+        interchange.cli(["export", "-h"])
+    out = capsys.readouterr().out
+    assert "hf: Hugging Face Llama" in out and "cola: the official CoLA format" in out
 
 
+@pytest.mark.slow
 def test_imported_cola_model_trains_under_btp(tmp_path, data_dir):
     """A CoLA-format model (as trained elsewhere) imported, then continued at tp=2 like one process."""
     ckpt = trained_checkpoint(tmp_path / "run", data_dir, "--arch=cola", "--n_kv_head=4")

@@ -54,6 +54,7 @@ def test_pipeline_pp2_equals_single_device():
     spawn(2, _pipeline_worker, [(1, 2, 1)])
 
 
+@pytest.mark.slow
 def test_pipeline_pp2_tp2_and_dp2_pp2_equal_single_device():
     spawn(4, _pipeline_worker, [(1, 2, 2), (2, 2, 1)])
 
@@ -62,6 +63,7 @@ PP_RUN = ["--n_layer=4", "--max_iters=4", "--eval_interval=2", "--lr_decay_iters
           "--gradient_accumulation_steps=4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, layout", [(2, ["--pp=2"]), (4, ["--pp=2", "--tp=2", "--recompute=lowrank"]),
                                            (4, ["--pp=2", "--dp=2", "--pp_schedule=gpipe"])])
 def test_pipeline_training_reproduces_single_device(tmp_path, data_dir, nproc, layout):
@@ -74,6 +76,7 @@ def test_pipeline_training_reproduces_single_device(tmp_path, data_dir, nproc, l
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_pipeline_degrees(tmp_path, data_dir):
     common = [f"--data_dir={data_dir}", *TINY, *PP_RUN, "--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8"]
     straight = losses(run_train(tmp_path / "straight", data_dir, *common[1:]))

@@ -98,5 +98,6 @@ def _recompute_worker(rank, world):
             assert any(k[2] == "fwd" for k in backward["lowrank"])
 
 
+@pytest.mark.slow
 def test_recompute_tp2_btp_and_vanilla():
     spawn(2, _recompute_worker)

@@ -63,6 +63,7 @@ def test_live_run_holds_the_out_dir(capsys, tmp_path, data_dir):
     run_train(tmp_path, data_dir, "--max_iters=1", "--overwrite=true")
 
 
+@pytest.mark.slow
 def test_restarted_job_may_start_over_in_its_own_out_dir(tmp_path, data_dir):
     """torchrun --max-restarts after a rank died before the first checkpoint: the same job goes on."""
     res = torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=4",
@@ -96,6 +97,7 @@ def straight(tmp_path_factory, data_dir):
     return losses(metrics(out))
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_detected_and_the_previous_checkpoint_used(tmp_path, data_dir, straight):
     common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *RUN]
     torchrun(1, *common)
@@ -128,6 +130,7 @@ def wait_for_rows(out_dir, n, proc, timeout=120):
     raise TimeoutError("no metrics rows")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, sig", [(1, signal.SIGINT), (2, signal.SIGTERM)])
 def test_interrupt_saves_and_resumes_exactly(tmp_path, data_dir, nproc, sig):
     common = [f"--data_dir={data_dir}", *TINY, "--eval_interval=100000", "--lr_decay_iters=100000",
@@ -155,6 +158,7 @@ def test_interrupt_saves_and_resumes_exactly(tmp_path, data_dir, nproc, sig):
     assert losses(records) == losses(metrics(tmp_path / "straight"))   # bit for bit
 
 
+@pytest.mark.slow
 def test_second_signal_stops_at_once():
     code = ("import os, signal, time, rundir\n"
             "i = rundir.Interrupt(print); i.armed = True\n"
@@ -213,6 +217,7 @@ def one_checkpoint(tmp_path_factory, data_dir):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, fragment", [
     ([], "the following arguments are required: command"),
     (["export", "/no/such/ckpt", "x.pt"], "/no/such/ckpt is not a checkpoint folder"),
@@ -255,6 +260,7 @@ def test_log_and_metrics_say_where_the_run_stands(capsys, tmp_path, data_dir):
     assert resume == [{**resume[0], "iter": 4, "checkpoint": str(ckpt)}]
 
 
+@pytest.mark.slow
 def test_resume_continues_the_recorded_run(capsys, tmp_path, data_dir):
     """--init_from=resume alone continues the run with the options it recorded (the model, the seed,
     the schedule), says when a given data option differs, and refuses a max_iters with nothing left."""
@@ -269,3 +275,10 @@ def test_resume_continues_the_recorded_run(capsys, tmp_path, data_dir):
     assert "resume: seed=7 -> 8 (as given; the run had the first)" in capsys.readouterr().out
     expect_error(capsys, [*bare, "--max_iters=8"], "max_iters=8 is not past iteration 8", "pass a larger --max_iters")
     expect_error(capsys, [*bare, "--max_iters=10", "--n_layer=2"], "written with n_layer=1, this run has n_layer=2")
+
+
+@pytest.mark.slow
+def test_a_user_error_under_torchrun_is_one_line_and_status_2_on_every_rank(tmp_path, data_dir):
+    res = torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--tp=2", "--mlp_width=99", check=False)
+    assert res.stderr.count("error: tp=2 does not divide mlp_width=99") == 1, res.stderr[-2000:]
+    assert res.returncode != 0 and res.stderr.count("exitcode  : 2") == 2, res.stderr[-2000:]   # torchrun's report

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import layouts
@@ -32,6 +33,7 @@ def test_cost_model_matches_model_and_ledger():
     assert out["mean_abs_rel_error"] < 0.5 and "| 7B | 4 | 1 |" in text
 
 
+@pytest.mark.slow
 def test_bench_runs_end_to_end(tmp_path):
     tiny = ["--n_embd=32", "--n_layer=2", "--n_head=4", "--block_size=16", "--batch_size=2", "--iters=1"]
     for what in (["layouts", "--tp=1,2", *tiny], ["traffic", "--n_embd=32", "--n_head=4"], ["model"]):

@@ -316,6 +316,29 @@ def bench_help(what):
                       *mine, "", *lines[lines.index(next(x for x in lines if x.startswith("Each prints"))):]])
 
 
+def bench_args(args):
+    """(iters, tps, json_dir, mb, keep, the model's --key=value) of a bench's arguments."""
+    iters, tps, json_dir, mb, keep, extra = 10, (1, 2, 4), ROOT / "bench-results", 1024, None, []
+    try:
+        for arg in args:
+            key, _, value = arg.partition("=")
+            if key == "--iters":
+                iters = int(value)
+            elif key == "--tp":
+                tps = tuple(int(t) for t in value.split(","))
+            elif key == "--json_dir":
+                json_dir = Path(value)
+            elif key == "--mb":
+                mb = int(value)
+            elif key == "--keep":
+                keep = value
+            else:
+                extra.append(arg)
+    except ValueError as e:
+        usage_error(e)
+    return iters, tps, json_dir, mb, keep, extra
+
+
 def main(argv):
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
@@ -326,24 +349,7 @@ def main(argv):
         print(bench_help(argv[0]))
         return
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))   # unwind, so temporary folders go on a kill too
-    what, iters, tps, extra, json_dir = argv[0], 10, (1, 2, 4), [], ROOT / "bench-results"
-    mb, keep = 1024, None
-    try:
-        for arg in argv[1:]:
-            if arg.startswith("--iters="):
-                iters = int(arg.split("=", 1)[1])
-            elif arg.startswith("--tp="):
-                tps = tuple(int(t) for t in arg.split("=", 1)[1].split(","))
-            elif arg.startswith("--json_dir="):
-                json_dir = Path(arg.split("=", 1)[1])
-            elif arg.startswith("--mb="):
-                mb = int(arg.split("=", 1)[1])
-            elif arg.startswith("--keep="):
-                keep = arg.split("=", 1)[1]
-            else:
-                extra.append(arg)
-    except ValueError as e:
-        usage_error(e)
+    what, (iters, tps, json_dir, mb, keep, extra) = argv[0], bench_args(argv[1:])
     if what == "archs":
         text, out = bench_archs(iters, extra)
     elif what == "layouts":
