@@ -3,6 +3,8 @@ in this process, under torchrun and in spawned gloo groups, and the one-line-err
 Run the tests with: make test (or .venv/bin/python -m pytest -q from the root); make test-fast
 leaves out the tests marked slow. The GPT-2 vocabulary comes from TIKTOKEN_CACHE_DIR, never a download.
 """
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -84,6 +86,19 @@ def _worker(rank, world, store, fn, *args):
                             store=dist.FileStore(store, world))
     fn(rank, world, *args)
     parallel.exit_worker(world)  # together, then skip the teardown where gloo's threads can abort
+
+
+def command(cli, *args):
+    """A command's cli(argv) (interchange.py's, prepare.py's main) in this process, as its subprocess
+    would run: (exit status, what it wrote to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            cli([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().strip()
 
 
 def expect_error(capsys, argv, *fragments):

@@ -16,7 +16,7 @@ import torch
 import integrity
 import interchange
 import train_state
-from conftest import ROOT, TINY, expect_error, metrics, run_train
+from conftest import ROOT, TINY, command, expect_error, metrics, run_train
 
 
 class Payload:
@@ -30,7 +30,12 @@ class Payload:
 
 
 def tool(*args):
-    """interchange.py's command; (exit status, stderr's one line)."""
+    """interchange.py's command, in this process: (exit status, stderr)."""
+    return command(interchange.cli, *args)
+
+
+def tool_process(*args):
+    """interchange.py's command as a process of its own: (exit status, stderr)."""
     res = subprocess.run([sys.executable, str(ROOT / "interchange.py"), *map(str, args)], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     return res.returncode, res.stderr.strip()
@@ -67,7 +72,7 @@ def test_crafted_metadata_runs_nothing_on_resume_or_export(capsys, tmp_path, dat
     out_dir = checkpoint.parent.parent
     expect_error(capsys, [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, "--n_kv_head=4", "--init_from=resume", "--max_iters=4"],
                  "is unreadable or corrupt")
-    one_line_error(tool("export", checkpoint, tmp_path / "m.pt"), "is unreadable or corrupt")
+    one_line_error(tool_process("export", checkpoint, tmp_path / "m.pt"), "is unreadable or corrupt")
     assert not marker.exists() and not (tmp_path / "m.pt").exists()
     with pytest.raises(pickle.UnpicklingError, match="posix.system is not part of a checkpoint's metadata"):
         integrity.MetadataUnpickler(open(checkpoint / ".metadata", "rb")).load()

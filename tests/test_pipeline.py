@@ -64,8 +64,8 @@ PP_RUN = ["--n_layer=4", "--max_iters=4", "--eval_interval=2", "--lr_decay_iters
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout", [(2, ["--pp=2"]), (4, ["--pp=2", "--tp=2", "--recompute=lowrank"]),
-                                           (4, ["--pp=2", "--dp=2", "--pp_schedule=gpipe"])])
+@pytest.mark.parametrize("nproc, layout", [(4, ["--pp=2", "--tp=2", "--recompute=lowrank"]),   # pp=2 alone:
+                                           (4, ["--pp=2", "--dp=2", "--pp_schedule=gpipe"])])    # the next test
 def test_pipeline_training_reproduces_single_device(tmp_path, data_dir, nproc, layout):
     single = run_train(tmp_path / "one", data_dir, *PP_RUN)
     torchrun(nproc, f"--out_dir={tmp_path / 'pp'}", f"--data_dir={data_dir}", *TINY, *PP_RUN, *layout)
