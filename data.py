@@ -14,6 +14,7 @@ train.py share lives here too: CommandParser, argparse with train.py's one-line 
 """
 import argparse
 import json
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -97,3 +98,24 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (-h for help)", file=sys.stderr)
         sys.exit(2)
+
+
+def new_path(text):
+    """An argument type: a path to create, in a folder that exists."""
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"the folder {parent} of {text} does not exist")
+    if os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text} exists: remove it or choose another name")
+    return text
+
+
+def positive_int(text):
+    """An argument type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -30,6 +30,7 @@ import os
 import pickle
 import sys
 import time
+import zlib
 
 import torch
 
@@ -271,13 +272,13 @@ def checkpoint_state(path):
 
 
 def export(path, out, fmt="pt"):
-    """A checkpoint as one file (pt: torch.save of {'model', 'config', 'tokenizer'}) or as a folder
-    another tool reads (hf, cola: interchange.py)."""
+    """A checkpoint as one file (pt: torch.save of {'model', 'config', 'tokenizer', 'crc32'}) or as a
+    folder another tool reads (hf, cola)."""
     cfg, state, tokenizer = checkpoint_state(path)
     if fmt != "pt":
         return write(out, state, cfg, fmt, tokenizer)
     tmp = f"{out}.{os.getpid()}.tmp"
-    torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer}, tmp)
+    torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer, "crc32": tensors_crc32(state)}, tmp)
     os.replace(tmp, out)
 
 
@@ -305,9 +306,19 @@ def import_folder(folder, out_dir, tokenizer=None):
     return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
 
 
+def tensors_crc32(state):
+    """A CRC-32 over the tensors of a state dict, in name order: an exported file carries its own."""
+    value = 0
+    for name in sorted(state):
+        value = zlib.crc32(state[name].detach().contiguous().view(-1).view(torch.uint8).numpy(), value)
+    return f"{value:08x}"
+
+
 def load_exported(out_file):
-    """A model.Llama from an exported file."""
+    """A model.Llama from an exported file, its tensors checked against the checksum it carries."""
     blob = torch.load(out_file, weights_only=True)
+    if tensors_crc32(blob["model"]) != blob["crc32"]:
+        raise ValueError(f"{out_file} fails its checksum (damaged since it was exported)")
     m = llama.Llama(llama.Config(**blob["config"]))
     m.load_state_dict(blob["model"])
     return m, blob["tokenizer"]
@@ -323,29 +334,10 @@ def _checkpoint_folder(text):
     return text
 
 
-def _new_file(text):
-    parent = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"the folder {parent} of {text} does not exist")
-    if os.path.exists(text):
-        raise argparse.ArgumentTypeError(f"{text} exists: remove it or choose another name")
-    return text
-
-
 def _exported_file(text):
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text} is not a file (export a checkpoint first)")
     return text
-
-
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def cli(argv):
@@ -355,7 +347,7 @@ def cli(argv):
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a checkpoint as one file (pt) or a Hugging Face / CoLA folder")
     p.add_argument("checkpoint", type=_checkpoint_folder, help="a folder <out_dir>/checkpoints/iter_NNNNNNN")
-    p.add_argument("out", type=_new_file, help="the file (pt) or folder (hf, cola) to write; must not exist")
+    p.add_argument("out", type=data.new_path, help="the file (pt) or folder (hf, cola) to write; must not exist")
     p.add_argument("--format", default="pt", choices=("pt",) + FORMATS,
                    help="pt: one torch.save file; hf: Hugging Face Llama (full, or svd merged W = B·A); "
                         "cola: the official CoLA format (cola models)")
@@ -365,7 +357,7 @@ def cli(argv):
     p.add_argument("--tokenizer", choices=data.TOKENIZERS, help="default: the one config.json names")
     p = sub.add_parser("sample", help="generate text from an exported file")
     p.add_argument("model_file", type=_exported_file)
-    p.add_argument("tokens", type=_positive, nargs="?", default=200, help="tokens to generate (default 200)")
+    p.add_argument("tokens", type=data.positive_int, nargs="?", default=200, help="tokens to generate (default 200)")
     args = parser.parse_args(argv)
     t0 = time.time()
     if args.command in ("export", "import"):
@@ -382,6 +374,8 @@ def cli(argv):
     try:
         m, tokenizer = load_exported(args.model_file)
         enc = data.get_tokenizer(tokenizer)
+    except ValueError as e:
+        parser.error(str(e))
     except Exception as e:  # not a torch.save file, or not one of ours: unpickling fails many ways
         parser.error(f"{args.model_file} is not an exported model ({type(e).__name__})")
     torch.manual_seed(1337)

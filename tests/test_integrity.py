@@ -218,3 +218,12 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(capsys, monkeypatch, 
     monkeypatch.undo()
     assert [Path(d).name for d in train_state.checkpoint_dirs(out)] == ["iter_0000002"]
     assert not (out / "checkpoints" / "iter_0000004.tmp").exists()
+
+
+def test_a_damaged_exported_file_is_refused_by_sample(tmp_path, checkpoint):
+    assert tool("export", checkpoint, tmp_path / "m.pt")[0] == 0
+    assert tool("sample", tmp_path / "m.pt", 3)[0] == 0
+    raw = bytearray((tmp_path / "m.pt").read_bytes())
+    raw[len(raw) // 2] ^= 0x01   # inside the tensors' bytes
+    (tmp_path / "bad.pt").write_bytes(bytes(raw))
+    one_line_error(tool("sample", tmp_path / "bad.pt", 3), "bad.pt fails its checksum (damaged since it was exported)")

@@ -193,6 +193,7 @@ def test_second_signal_stops_at_once():
     (["--rope_base=nan"], "rope_base=nan must be a positive finite number"),
     (["--overwrite=true", "--init_from=resume"], "overwrite=true discards the earlier run"),
     (["--inject_fault=boom:3"], "inject_fault=boom:3 is not"),
+    (["--inject_fault=kill:1:2"], "inject_fault=kill:1:2 is not kill:N"),
 ])
 def test_bad_values(capsys, tmp_path, argv, fragment):
     expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", *argv], fragment)
@@ -283,3 +284,18 @@ def test_a_user_error_under_torchrun_is_one_line_and_status_2_on_every_rank(tmp_
     # torchrun's report: each rank exits 2, unless torchrun ended it first (SIGTERM) once a peer had
     codes = re.findall(r"exitcode  : (-?\d+)", res.stderr)
     assert res.returncode != 0 and "2" in codes and set(codes) <= {"2", "-15"}, res.stderr[-2000:]
+
+
+def test_a_config_file_that_is_not_utf8_is_named(capsys, tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("n_layer = 2\n# caf\xe9 au lait\n".encode("latin-1"))
+    expect_error(capsys, [str(path)], f"config file {path} is not UTF-8 text")
+
+
+def test_profile_of_a_resumed_run_says_how_many_steps_its_trace_holds(capsys, tmp_path, data_dir):
+    run_train(tmp_path, data_dir, "--max_iters=4", "--eval_interval=2")
+    capsys.readouterr()
+    run_train(tmp_path, data_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume", "--profile=1:3")
+    out = capsys.readouterr().out
+    assert "(1 steps after the first 1 of this run)" in out, out   # 2 steps left: 1 waits, 1 is traced
+    assert json.loads((tmp_path / "trace" / "rank0.json").read_text())["traceEvents"]
