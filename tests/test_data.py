@@ -275,8 +275,8 @@ def test_changed_token_file_is_prepared_again_and_foreign_ids_refused(capsys, tm
 
 @pytest.mark.slow
 def test_one_long_line_or_document_is_cut_and_split(tmp_path):
-    """A corpus that is one 16 MB line (no line end at all) is cut into pieces at character
-    boundaries, so memory stays as for any corpus; one 16 MB JSON document is split in units of
+    """A corpus that is one 11 MB line (no line end at all) is cut into pieces at character
+    boundaries, so memory stays as for any corpus; one 11 MB JSON document is split in units of
     about 1 MiB, so val holds about val_fraction of the tokens, not all of them."""
     line = ("ünïcödé wörds " * (16 * 2 ** 20 // 20))[: 16 * 2 ** 20 // 2]
     (tmp_path / "line.txt").write_text(line)
