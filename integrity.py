@@ -13,8 +13,8 @@ project's path use it:
 - torch.distributed.checkpoint reads a checkpoint's `.metadata` with plain pickle. `Reader` is
   DCP's FileSystemReader with that one read done by `MetadataUnpickler`, which builds nothing but
   the classes DCP's metadata is made of (ALLOWED) and refuses every other name with one line.
-- DCP loads an item stored as bytes with torch.load(weights_only=False). This project's training
-  state is tensors only, so `Planner` refuses any bytes item instead of unpickling it.
+- DCP's default planner turns an item stored as bytes back into whatever object its pickle names.
+  This project's training state is tensors only, so `Planner` refuses any bytes item outright.
 
 The tensors themselves DCP reads with torch.load(weights_only=True); model folders are read from
 safetensors files or, for a pytorch_model.bin, with weights_only=True (interchange.py). So a

@@ -82,26 +82,35 @@ def hf_config(cfg, fmt, tokenizer):
     return out
 
 
+def tensor_names(cfg):
+    """The one name mapping both directions use: ([(our name, theirs)] of the tensors that are the same
+    in every format: embedding, norms), ([(our prefix, theirs)] of every projection)."""
+    same = [("tok_emb.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    projections = []
+    for i in range(cfg.n_layer):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        same += [(ours + "attn_norm.weight", theirs + "input_layernorm.weight"),
+                 (ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight")]
+        projections += [(f"{ours}{block}.{n}.", f"{theirs}{hf_block}.{n}_proj.") for block, hf_block, n in PROJECTIONS]
+    return same, projections
+
+
 def to_format(state, cfg, fmt, check_format=True):
     """{name: tensor} of the model's state dict (single-device names) in format `fmt`."""
     if check_format:
         check(cfg, fmt)
-    out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
+    same, projections = tensor_names(cfg)
+    out = {theirs: state[ours] for ours, theirs in same}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
-    for i in range(cfg.n_layer):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        out[theirs + "input_layernorm.weight"] = state[ours + "attn_norm.weight"]
-        out[theirs + "post_attention_layernorm.weight"] = state[ours + "mlp_norm.weight"]
-        for block, hf_block, n in PROJECTIONS:
-            src, dst = f"{ours}{block}.{n}.", f"{theirs}{hf_block}.{n}_proj."
-            if cfg.arch == "full":
-                out[dst + "weight"] = state[src + "weight"]
-            elif fmt == "hf":   # svd: W = B·A, (out, r) @ (r, in)
-                out[dst + "weight"] = state[src + "B.weight"] @ state[src + "A.weight"]
-            else:
-                out[dst + "cola_a"] = state[src + "A.weight"].t().contiguous()   # (in, r)
-                out[dst + "cola_b"] = state[src + "B.weight"].t().contiguous()   # (r, out)
+    for src, dst in projections:
+        if cfg.arch == "full":
+            out[dst + "weight"] = state[src + "weight"]
+        elif fmt == "hf":   # svd: W = B·A, (out, r) @ (r, in)
+            out[dst + "weight"] = state[src + "B.weight"] @ state[src + "A.weight"]
+        else:
+            out[dst + "cola_a"] = state[src + "A.weight"].t().contiguous()   # (in, r)
+            out[dst + "cola_b"] = state[src + "B.weight"].t().contiguous()   # (r, out)
     return {k: v.detach().clone().contiguous() if v.device.type != "meta" else v for k, v in out.items()}
 
 
@@ -227,19 +236,15 @@ def read(folder):
 
 def from_format(tensors, cfg):
     """The single-device state dict of a folder's tensors (hf or cola names), checked by read()."""
-    state = {"tok_emb.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"],
-             "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])}
-    for i in range(cfg.n_layer):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        state[ours + "attn_norm.weight"] = tensors[theirs + "input_layernorm.weight"]
-        state[ours + "mlp_norm.weight"] = tensors[theirs + "post_attention_layernorm.weight"]
-        for block, hf_block, n in PROJECTIONS:
-            src, dst = f"{theirs}{hf_block}.{n}_proj.", f"{ours}{block}.{n}."
-            if cfg.arch == "full":
-                state[dst + "weight"] = tensors[src + "weight"]
-            else:
-                state[dst + "A.weight"] = tensors[src + "cola_a"].t().contiguous()   # (r, in)
-                state[dst + "B.weight"] = tensors[src + "cola_b"].t().contiguous()   # (out, r)
+    same, projections = tensor_names(cfg)
+    state = {ours: tensors[theirs] for ours, theirs in same}
+    state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    for dst, src in projections:
+        if cfg.arch == "full":
+            state[dst + "weight"] = tensors[src + "weight"]
+        else:
+            state[dst + "A.weight"] = tensors[src + "cola_a"].t().contiguous()   # (r, in)
+            state[dst + "B.weight"] = tensors[src + "cola_b"].t().contiguous()   # (out, r)
     return state
 
 
@@ -249,9 +254,7 @@ def checkpoint_state(path):
     """(model.Config, single-device state dict, tokenizer) of a checkpoint folder, in one process:
     its checksums verified as resume verifies them, its tensors loaded into a model of its config."""
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        integrity.check_meta(path, meta)
+        meta = train_state.read_meta(path)   # as resume reads it, with no run to compare it with
         cfg = llama.Config(**meta["config"])
         problem = integrity.verify(path, meta)
     except integrity.Damaged as e:

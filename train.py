@@ -54,7 +54,7 @@ def main(argv):
         cfg, tc = options.parse_args(argv)
         found = train_state.candidates(tc.out_dir, tc.init_from)
         if found:  # continue the run: its recorded options, where this launch does not give them again
-            cfg, tc = train_state.resume_options(argv, tc, found, print if master else (lambda *a: None))
+            cfg, tc = train_state.resume_options(argv, found, print if master else (lambda *a: None))
         cfg.vocab_size = options.vocab_size(tc.tokenizer)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp, layout = options.plan_parallel(cfg, tc, world)

@@ -169,25 +169,25 @@ def recorded(found):
     return {}
 
 
-def resume_options(argv, tc, found, log):
+def resume_options(argv, found, log):
     """(Config, TrainConfig) of a launch that continues the run in `found`: the model, data and
     schedule options the run recorded, unless argv gives them again (a changed dataset or seed is
     said in one line)."""
     import options
-    kept = recorded(found)
-    cfg, tc, changed = options.resume_args(argv, kept) if kept else (*options.parse_args(argv), [])
+    cfg, tc, changed = options.resume_args(argv, recorded(found))
     if changed:
         log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
     return cfg, tc
 
 
-def read_meta(path, config, tokenizer):
-    """meta.json of a checkpoint; ValueError naming the field where the model's shape differs."""
+def read_meta(path, config=(), tokenizer=None):
+    """meta.json of a checkpoint, as written (integrity.Damaged otherwise); ValueError naming the field
+    where the model's shape differs from `config` (a run's Config.shape(); none to compare: export)."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     integrity.check_meta(path, meta)
     meta["config"] = llama.Config(**meta["config"]).shape()  # derived sizes filled in, as this run's are
-    for key, value in config.items():
+    for key, value in dict(config).items():
         if meta["config"].get(key) != value:
             if key == "vocab_size":
                 raise ValueError(f"checkpoint {path} was written with --tokenizer={meta.get('tokenizer')} "
