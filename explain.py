@@ -207,7 +207,7 @@ class Recorder(TorchDispatchMode):
 def run_step(model, x, y, pipe=None, ddp=None):
     """One forward and backward as training runs it; the loss."""
     if pipe is not None:
-        return pipe.run(x, y)
+        return pipe.run(x, y).item()
     loss = (ddp or model)(x, y)[1]
     loss.backward()
     return loss.item()
@@ -329,7 +329,7 @@ def comparison(cfg, tc, tp, layout, b, s, device):
 
 
 def main(cfg, tc, place, layout, model):
-    """--explain=true: one recorded step of the model train.py built for this rank (train.Placement
+    """--explain=true: one recorded step of the model train.py built for this rank (placement.Placement
     says where it sits), printed by rank 0; nothing else runs and no file is written."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     world, dp, mesh, tp, device = place.world, place.dp, place.mesh, place.tp, place.device

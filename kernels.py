@@ -22,6 +22,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
@@ -78,6 +79,22 @@ def chosen():
 
 
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
+_agree = []     # the process groups over which auto's times are summed before choosing (agree_over)
+
+
+def agree_over(*groups):
+    """Under torchrun, the groups whose ranks run the same shapes at the same moments (a pipeline
+    stage's TP and DP groups): auto averages each shape's times over them, so every rank chooses alike.
+    Ranks choosing alone could run replicated work (the final norm, vanilla's and megatron's norms)
+    through different implementations: the copies of a replicated weight would round differently and
+    drift apart, and the gradient norm, hence clipping, would differ between ranks."""
+    _agree[:] = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+
+
+def _rows(t):
+    """The token count of t (..., width) as auto's shape keys name it: rounded up to a power of two
+    (triton_kernels.bucket), so that sampling's M = 1, 2, 3, ... are timed a few times, not 200."""
+    return f"≤{tk.bucket(t.numel() // t.shape[-1])}"
 
 
 def _which(op, shape_key, fn, args):
@@ -90,12 +107,23 @@ def _which(op, shape_key, fn, args):
     if (op, key) not in _choices:
         if torch.compiler.is_compiling():
             return "torch"   # (timed in the eager warm-up steps, not while tracing)
-        times = {name: _time(fn, args, name) for name in ("triton", "torch")}
+        times = _summed({name: _time(fn, args, name) for name in ("triton", "torch")}, args[0].device)
         _choices[(op, key)] = min(times, key=times.get)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch {times['torch']:.3f} ms: "
                   f"{_choices[(op, key)]}")
     return _choices[(op, key)]
+
+
+def _summed(times, device):
+    """{name: ms} averaged over the ranks of the agree_over groups (every rank the same result)."""
+    if not _agree:
+        return times
+    t = torch.tensor([times["triton"], times["torch"]], dtype=torch.float64, device=device)
+    for group in _agree:   # TP, then DP: the sum over the stage's whole (dp, tp) slab
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+    return dict(zip(("triton", "torch"), t.tolist()))
 
 
 def _time(fn, args, name, runs=3):
@@ -144,7 +172,7 @@ def _autocast(*tensors):
 
 
 def norm_down(x, gamma, A):
-    if _which("norm_down", lambda: f"{x.numel() // x.shape[-1]}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down,
+    if _which("norm_down", lambda: f"{_rows(x)}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down,
               (x, gamma, A)) == "torch":
         return norm_down_ref(x, gamma, A)
     x2, gamma, A = _autocast(x.reshape(-1, x.shape[-1]), gamma, A)
@@ -152,19 +180,20 @@ def norm_down(x, gamma, A):
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
 
-def _up_key(tokens, Bs):
-    return f"{tokens}x{len(Bs)}x{Bs[0].shape[1]} -> {'+'.join(str(B.shape[0]) for B in Bs)}"
+def _up_key(z, Bs):
+    return f"{_rows(z)}x{len(Bs)}x{Bs[0].shape[1]} -> {'+'.join(str(B.shape[0]) for B in Bs)}"
 
 
 def _up_backend(dys, Bs):
-    """The implementation of grouped_up's backward halves: the one its forward used for these shapes."""
+    """The implementation of grouped_up's backward halves: the one its forward used for these shapes
+    (the reference for a shape auto never measured: nothing unmeasured runs a kernel)."""
     if _backend != "auto":
         return _backend
-    return _choices.get(("grouped_up", _up_key(dys[0].numel() // dys[0].shape[-1], Bs)), "triton")
+    return _choices.get(("grouped_up", _up_key(dys[0], Bs)), "torch")
 
 
 def grouped_up(z, Bs):
-    if _which("grouped_up", lambda: _up_key(z.numel() // z.shape[-1], Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
+    if _which("grouped_up", lambda: _up_key(z, Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
               (z, *Bs)) == "torch":
         return grouped_up_ref(z, Bs)
     z2, W = _autocast(z.reshape(-1, z.shape[-1]), torch.cat(Bs))  # autograd of cat splits dW
@@ -194,7 +223,7 @@ def grouped_up_dB(dys, z, Bs):
 
 
 def rms_norm(x, gamma, eps):
-    if _which("rms_norm", lambda: f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", lambda x, g: [rms_norm(x, g, eps)],
+    if _which("rms_norm", lambda: f"{_rows(x)}x{x.shape[-1]}", lambda x, g: [rms_norm(x, g, eps)],
               (x, gamma)) == "torch":
         return rms_norm_ref(x, gamma, eps)
     x2, gamma = _autocast(x.reshape(-1, x.shape[-1]), gamma)
@@ -212,7 +241,8 @@ class NormDown(torch.autograd.Function):
         S = torch.empty(M, dtype=torch.float32, device=x.device)
         up, ieee = tk.dot_flags(x)
         grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
-        tk.norm_down_fwd[tk.bits(x)][grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0), H.stride(0), UPCAST=up, IEEE=ieee)
+        tk.norm_down_fwd[tk.bits(x)][grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0), H.stride(0), tk.bucket(M),
+                                           UPCAST=up, IEEE=ieee)
         ctx.save_for_backward(x, gamma, A)
         return H, S
 
@@ -227,7 +257,7 @@ class NormDown(torch.autograd.Function):
         dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)  # per row block
         grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(K, META["BK"]))
         tk.norm_down_dx[tk.bits(x)][grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0), A.stride(0), x.stride(0),
-                              UPCAST=up, IEEE=ieee)
+                                          tk.bucket(M), UPCAST=up, IEEE=ieee)
         xg = x * gamma                                                     # (M, K)
         dA = torch.empty_like(A)
         tk.grouped_mm(tk.Operand(dH, 1, N), tk.Operand(xg, K, 1), tk.Operand(dA, K, 1),   # dHᵀ·(x⊙γ)
@@ -287,7 +317,8 @@ class RMSNormFn(torch.autograd.Function):
         y = torch.empty_like(x)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, tk.rows()),)
-        tk.rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=triton.next_power_of_2(N))
+        block = triton.next_power_of_2(N)
+        tk.rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=block, num_warps=tk.rms_warps(block))
         ctx.save_for_backward(x, gamma, rstd)
         return y
 
@@ -298,5 +329,7 @@ class RMSNormFn(torch.autograd.Function):
         dx = torch.empty_like(x)
         grid = (triton.cdiv(M, tk.rows()),)
         dg = torch.empty(grid[0], N, dtype=torch.float32, device=x.device)
-        tk.rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(), BLOCK=triton.next_power_of_2(N))
+        block = triton.next_power_of_2(N)
+        tk.rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(), BLOCK=block,
+                         num_warps=tk.rms_warps(block, backward=True))
         return dx, dg.sum(0).to(gamma.dtype), None

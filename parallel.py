@@ -381,7 +381,7 @@ class Pipeline:
 
     def run(self, x, y, train=True):
         """All micro-batches of x, y (n_micro·b, s) through the pipeline (forward and backward when
-        training); returns the mean loss, on every stage."""
+        training); returns the mean loss, on every stage, as a device tensor."""
         losses = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
@@ -394,4 +394,4 @@ class Pipeline:
                 LEDGER.record("send", self.pp_group, x_in, "bwd")
         loss = torch.stack([l.detach().float() for l in losses]).mean() if self.last else torch.zeros((), device=x.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage holds it
-        return loss.item()
+        return loss   # on the device: train.py reads it at log steps

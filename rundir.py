@@ -178,15 +178,16 @@ class Interrupt:
         self.signum = signum
         self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops at once)")
 
-    def agreed(self, device):
+    def agreed(self, group):
         """The signal number if a rank was interrupted, else 0; called once a step by every rank.
-        Under torchrun the ranks' flags of one step are all-reduced (MAX) while the next step
-        computes (async_op), so agreeing costs no wait; the run stops one step after the signal."""
-        if not dist.is_initialized():
+        Under torchrun the ranks' flags of one step are all-reduced (MAX) over `group`, a gloo group
+        of CPU tensors, while the next step computes (async_op): agreeing never waits for the GPU,
+        and the run stops one step after the signal."""
+        if group is None:
             return self.signum
         result = self.settle()
-        flag = torch.tensor([self.signum], device=device)
-        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        flag = torch.tensor([self.signum])
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
         return result
 
     def settle(self):

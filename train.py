@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,13 @@ import checkpointing
 import data
 import interchange
 import kernels
-import layouts
 import options
 import parallel
+import placement
 import prepare
 import rundir
 import train_state
-from model import Llama, estimate_mfu
+from model import estimate_mfu
 from parallel import LEDGER
 
 
@@ -63,8 +63,8 @@ def main(argv):
         kernels.select(tc.kernels, device)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
             import explain
-            place = place_processes(tc, world, dp, device)
-            explain.main(cfg, tc, place, layout, build_model(cfg, tc, place, layout)[0])
+            place = placement.place_processes(tc, world, dp, device)
+            explain.main(cfg, tc, place, layout, placement.build_model(cfg, tc, place, layout)[0])
             parallel.finish(world)
             return
         if master:
@@ -88,59 +88,13 @@ def main(argv):
 
 # ------------------------------------------------------------------------------ setting up a run
 
-@dataclass
-class Placement:
-    """Where this process sits in the (dp, pp, tp) mesh (parallel.init_mesh), and on which device."""
-    world: int
-    dp: int
-    device: str
-    mesh: object = None
-    tp: parallel.TP = field(default_factory=lambda: parallel.TP(None, 0, 1))   # a group of one
-    dp_rank: int = 0
-    pp_rank: int = 0
-
-    def group(self, name):
-        return self.mesh.get_group(name) if self.mesh is not None else None
-
-    @property
-    def ckpt_mesh(self):  # a stage's tensors are sharded over its own (dp, tp) ranks in a checkpoint
-        return self.mesh["dp", "tp"] if self.mesh is not None else None
-
-
-def place_processes(tc, world, dp, device):
-    """The process group and the (dp, pp, tp) mesh under torchrun (NCCL on GPUs, gloo elsewhere)."""
-    if world == 1:
-        return Placement(world, dp, device)
-    if device == "cuda":
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(device)
-    mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
-    tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
-    return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"))
-
-
-def build_model(cfg, tc, place, layout):
-    """The model this rank trains, and the full model's parameter and FLOP counts. Every layout is
-    cut from the single-device model built from one seed, so every layout starts from the same
-    weights: under TP or PP this rank's part of it (layouts.TPLlama); on one device with the Triton
-    kernels on, the BTP layer with a TP group of one (so one GPU runs the fused kernels too);
-    otherwise model.Llama itself, the reference the tests compare every layout with."""
-    torch.manual_seed(tc.seed)
-    model = Llama(cfg, recompute=tc.recompute, layer_runner=checkpointing.run_layers)
-    counts = model.num_params(), model.flops_per_token(cfg.block_size)
-    if tc.tp > 1 or tc.pp > 1:
-        model = layouts.TPLlama(model, place.tp, layout, stage=place.pp_rank, stages=tc.pp)
-    elif cfg.lowrank and kernels.backend() != "torch":
-        model = layouts.TPLlama(model, place.tp, "btp")
-    return model.to(place.device), *counts
-
-
 def configure_optimizer(model, tc):
     """AdamW, weight decay on 2-D weights only (matrices and embeddings, not norm gains)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2))
+    # fused: one kernel per step, and it skips its update on the device where found_inf is 1 (train_step)
+    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), fused=True)
 
 
 def get_lr(it, tc):
@@ -169,12 +123,12 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
         folder = prepare.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, tc.num_proc, tc.val_fraction,
                                       tc.text_field, log)
         splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size) for s in ("train", "val")}
-        place = place_processes(tc, world, dp, device)
+        place = placement.place_processes(tc, world, dp, device)
         resume_from, resume_meta, skipped = train_state.choose(found, cfg.shape(), tc.tokenizer, log)
         if resume_from and resume_meta["iter_num"] >= tc.max_iters:
             raise ValueError(f"max_iters={tc.max_iters} is not past iteration {resume_meta['iter_num']} of "
                              f"{resume_from}: nothing to train; pass a larger --max_iters")
-        raw_model, n_params, flops_per_token = build_model(cfg, tc, place, layout)
+        raw_model, n_params, flops_per_token = placement.build_model(cfg, tc, place, layout)
         optimizer = configure_optimizer(raw_model, tc)
         iter_num, run_id = 0, rundir.new_run_id()
         if resume_from:
@@ -211,16 +165,29 @@ class Run:
             ("bfloat16" if place.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
         self.autocast = nullcontext() if self.dtype == "float32" else \
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
-        if tc.compile:
-            log("torch.compile: the first steps compile the model, which takes minutes on a CPU")
-            self.model = torch.compile(raw_model)
+        self.nonfinite = torch.tensor(-1, device=place.device)  # the first iteration whose gradient was not finite
         if tc.pp > 1:
             self.pipe = parallel.Pipeline(raw_model, place.mesh, self.micro_steps, tc.pp_schedule, place.device)
         elif place.dp > 1:
             cuda = place.device.startswith("cuda")
             self.model = DDP(self.model, process_group=place.group("dp"), device_ids=[place.device] if cuda else None)
             self.model.register_comm_hook(place.group("dp"), parallel.ledger_ddp_hook)
+        if tc.compile and not self.pipe:  # around DDP, so that DDPOptimizer splits the graph at its buckets
+            log("torch.compile: the first steps compile the model, which takes minutes on a CPU")
+            if kernels.backend() == "auto":
+                self.time_kernels()
+            self.model = torch.compile(self.model)
         self.pp_group = place.group("pp") if self.pipe else None
+
+    def time_kernels(self):
+        """--kernels=auto under compile: one eager forward and backward first, so that every shape is
+        timed and chosen before tracing (which only reads the choices), then forgotten."""
+        x, y = next(self.shares("train", "train", 0))   # (batches are drawn by (seed, stream, step): nothing moves)
+        with torch.random.fork_rng(devices=[self.place.device] if self.place.device.startswith("cuda") else []):
+            with self.autocast:
+                loss = self.raw_model(x, y)[1]
+            loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def shares(self, split, stream, step):
@@ -229,7 +196,9 @@ class Run:
         for micro in range(self.micro_steps):
             start = (micro * place.dp + place.dp_rank) * tc.batch_size
             x, y = self.splits[split].batch(tc.seed, stream, step, self.global_batch, start, tc.batch_size)
-            yield x.to(place.device), y.to(place.device)   # (b, s), (b, s)
+            if place.device.startswith("cuda"):   # from pinned memory, copied while the GPU works
+                x, y = x.pin_memory(), y.pin_memory()
+            yield x.to(place.device, non_blocking=True), y.to(place.device, non_blocking=True)   # (b, s), (b, s)
 
     def whole(self, split, stream, step):
         """This rank's micro-batches in one tensor each, for the pipeline schedule to split."""
@@ -237,11 +206,11 @@ class Run:
         return torch.cat(xs), torch.cat(ys)   # (micro_steps·b, s) each
 
     def mean_over_dp(self, value):
-        """The mean of a float over the data-parallel ranks (each holds the mean of its equal share)."""
-        if self.place.dp == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.place.device)
-        dist.all_reduce(t, group=self.place.group("dp"))
+        """The mean over the data-parallel ranks (each holds the mean of its equal share) of a loss
+        kept on the device, as a float: the host waits for the device here, at log steps only."""
+        t = torch.as_tensor(value, device=self.place.device).detach().double().reshape(1)
+        if self.place.dp > 1:
+            dist.all_reduce(t, group=self.place.group("dp"))
         return t.item() / self.place.dp
 
 
@@ -251,19 +220,29 @@ def evaluate(run):
     run.model.eval()
     out = {}
     for split in ("train", "val"):
-        total = 0.0
+        total = torch.zeros((), device=run.place.device)
         for k in range(run.tc.eval_iters):
             with run.autocast:
                 if run.pipe:
                     total += run.pipe.run(*run.whole(split, f"eval-{split}", k), train=False)
                 else:
-                    total += sum(run.model(x, y)[1].item() for x, y in run.shares(split, f"eval-{split}", k)) / run.micro_steps
+                    total += sum(run.model(x, y)[1].float() for x, y in run.shares(split, f"eval-{split}", k)) / run.micro_steps
         out[split] = run.mean_over_dp(total / run.tc.eval_iters)
     run.model.train()
     return out
 
 
+def check_finite(run, iter_num):
+    """Stop, exit 2, if a step since the last check had a non-finite gradient (read at log steps and
+    before a save, so no step waits for it; the fused AdamW skipped that step's update on the device)."""
+    bad = int(run.nonfinite.item())
+    if bad >= 0:
+        fail(f"the loss or its gradient is not finite at iteration {bad} (its update skipped; stopped at "
+             f"iteration {iter_num}). The last good checkpoint ({run.last_ckpt or 'none'}) is untouched")
+
+
 def save_checkpoint(run, iter_num, crash=None):
+    check_finite(run, iter_num)
     meta, t = {"config": run.cfg.shape(), "train_config": asdict(run.tc), "tokenizer": run.tc.tokenizer, "run_id": run.run_id}, time.time()
     try:
         path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer, run.place.ckpt_mesh,
@@ -278,7 +257,7 @@ def save_checkpoint(run, iter_num, crash=None):
 def train_step(run, iter_num):
     """Forward and backward of the global batch (the pipeline schedule, or gradient accumulation over
     this rank's micro-batches, DDP averaging at the last), clipping, the optimizer step; the loss."""
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), device=run.place.device)   # on the device: log_step reads it
     if run.pipe:  # the schedule runs this rank's micro-batches through the stages, forward and backward
         with run.autocast:
             loss_sum = run.pipe.run(*run.whole("train", "train", iter_num))
@@ -291,13 +270,13 @@ def train_step(run, iter_num):
                 if fault_at(run.tc, "nan", iter_num):
                     loss = loss * float("nan")
             loss.backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach().float()
     parallel.reduce_tied_grad(run.raw_model, run.pp_group)
     clip = run.tc.grad_clip if run.tc.grad_clip > 0 else float("inf")
     grad_norm = parallel.clip_grad_norm(run.raw_model, clip, run.pp_group)
-    if not torch.isfinite(grad_norm):  # the same on every rank: gradients are all-reduced
-        fail(f"the loss or its gradient is not finite at iteration {iter_num}; stopped before the "
-             f"optimizer step. The last good checkpoint ({run.last_ckpt or 'none'}) is untouched")
+    bad = ~torch.isfinite(grad_norm)   # the same on every rank (the gradients are all-reduced); no host sync:
+    run.optimizer.found_inf = bad.float()   # the fused AdamW skips this update where it is 1
+    run.nonfinite = torch.where(bad & (run.nonfinite < 0), iter_num, run.nonfinite)   # check_finite reads it
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss_sum
@@ -306,6 +285,7 @@ def train_step(run, iter_num):
 def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_token, record):
     """One line of the log and one row of metrics.jsonl."""
     tc = run.tc
+    check_finite(run, iter_num)
     loss, tokens_per_s = run.mean_over_dp(loss_sum), run.tokens_per_iter / dt
     mfu = estimate_mfu(flops_per_token, tokens_per_s / run.place.world, tc.peak_tflops)
     comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
@@ -357,7 +337,7 @@ def loop(run, iter_num, flops_per_token, interrupt):
         if iter_num % tc.log_interval == 0 or record:
             log_step(run, iter_num, lr, loss_sum, dt, t1 - t_start, start_iter, flops_per_token, record)
         iter_num += 1
-        signum = interrupt.agreed(run.place.device)
+        signum = interrupt.agreed(run.place.host_group)
         if signum:  # every rank finished this step: save it, say how to go on, stop
             break
     interrupt.settle()
@@ -368,6 +348,7 @@ def loop(run, iter_num, flops_per_token, interrupt):
         log(f"interrupted at iteration {iter_num}; saved {path}; continue with --init_from=resume")
         run.metrics.event("interrupted", iter=iter_num, signal=signum, checkpoint=path)
     else:
+        check_finite(run, iter_num)
         n = tc.max_iters - start_iter
         summary = (f"{n} iterations ({start_iter}..{tc.max_iters}), {n * run.tokens_per_iter:,} tokens in "
                    f"{rundir.duration(time.time() - t_start)}")
@@ -386,7 +367,7 @@ def sample(run):
     if tc.sample_tokens <= 0 or run.pipe:
         return
     torch.manual_seed(tc.seed)
-    with run.autocast:
+    with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels, each a new shape
         run.log("sample:\n" + interchange.sample_text(run.raw_model, data.get_tokenizer(tc.tokenizer),
                                                       tc.sample_tokens, run.place.device))
 

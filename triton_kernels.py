@@ -35,7 +35,7 @@ GEMM_CONFIGS = {
     (90, 32): [(64, 64, 32, 4, 2), (64, 32, 32, 4, 2), (32, 64, 32, 4, 2), (64, 64, 16, 4, 2)],
 }
 INTERPRETER_CONFIG = (32, 32, 32, 1, 1)
-ROWS_CONFIG = {"ROWS": 16, "num_warps": 4}   # RMSNorm: rows per program (4 under the interpreter)
+ROWS_CONFIG = {"ROWS": 16}   # RMSNorm: rows per program (4 under the interpreter); warps: rms_warps
 
 
 def arch():
@@ -69,10 +69,17 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 @triton.jit
-def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
+def _at(rows, cols, s_row, s_col):
+    """Element offsets (rows[:, None]·s_row + cols[None, :]·s_col) in int64: tokens × width passes
+    2^31 at a 30B model's gate/up from about 60k tokens a rank, where int32 products would wrap."""
+    return rows.to(tl.int64)[:, None] * s_row + cols.to(tl.int64)[None, :] * s_col
+
+@triton.jit
+def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm, M_KEY,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """H tile (BM, BN) = (x⊙γ)·Aᵀ; the programs of the first N tile also store S = Σ x²."""
+    """H tile (BM, BN) = (x⊙γ)·Aᵀ; the programs of the first N tile also store S = Σ x². M_KEY (M
+    rounded up to a power of two) is only the autotuner's key: a new M need not be tuned again."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -80,20 +87,20 @@ def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
     ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         g = tl.load(g_ptr + rk, mask=rk < K, other=0.0)
-        a = tl.load(a_ptr + rn[:, None] * s_an + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         xg = (xf * g.to(tl.float32)[None, :]).to(a.dtype)
         acc += _dot(xg, tl.trans(a), UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(h_ptr + rm[:, None] * s_hm + rn[None, :], acc.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + _at(rm, rn, s_hm, 1), acc.to(h_ptr.dtype.element_ty), mask=mask)
     if pid_n == 0:
         tl.store(s_ptr + rm, ss, mask=rm < M)
 
 @triton.jit
-def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, s_dhm, s_an, s_xm,
+def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, s_dhm, s_an, s_xm, M_KEY,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """dx tile (BM, BK) = (dH·A)⊙γ + 2·x·dS, and this row block's partial dγ = Σ_m (dH·A)⊙x."""
@@ -103,16 +110,16 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for n0 in range(0, N, BN):
         rn = n0 + tl.arange(0, BN)
-        dh = tl.load(dh_ptr + rm[:, None] * s_dhm + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
-        a = tl.load(a_ptr + rn[:, None] * s_an + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        dh = tl.load(dh_ptr + _at(rm, rn, s_dhm, 1), mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
+        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         acc += _dot(dh, a, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
     ds = tl.load(ds_ptr + rm, mask=rm < M, other=0.0)
     dx = acc * g[None, :] + 2.0 * x * ds[:, None]
-    tl.store(dx_ptr + rm[:, None] * s_xm + rk[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dg_ptr + pid_m * K + rk, tl.sum(acc * x, axis=0), mask=rk < K)
+    tl.store(dx_ptr + _at(rm, rk, s_xm, 1), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + pid_m.to(tl.int64) * K + rk, tl.sum(acc * x, axis=0), mask=rk < K)
 
 @triton.jit
 def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq, P_KEY, Q_KEY, K_KEY,
@@ -121,7 +128,7 @@ def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_c
     """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K and
     the row and column offsets of A_g, B_g, C_g inside A, B, C; the programs take the groups' tiles
     in order, each finding its group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest group's
-    sizes) and CALL_KEY (which of CALLS launched it: their strides differ) are only the autotuner's key."""
+    sizes, rounded up to powers of two) and CALL_KEY (which of CALLS launched it: their strides differ) are only the autotuner's key."""
     t = tl.program_id(0)
     g = 0
     first = 0
@@ -138,8 +145,8 @@ def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_c
     rp = ((t - first) // q_tiles) * BP + tl.arange(0, BP)
     rq = ((t - first) % q_tiles) * BQ + tl.arange(0, BQ)
     rk = tl.arange(0, BK)
-    a_ptrs = a_ptr + (tl.load(m + 3) + rp)[:, None] * s_ap + (tl.load(m + 4) + rk)[None, :] * s_ak
-    b_ptrs = b_ptr + (tl.load(m + 5) + rk)[:, None] * s_bk + (tl.load(m + 6) + rq)[None, :] * s_bq
+    a_ptrs = a_ptr + _at(tl.load(m + 3) + rp, tl.load(m + 4) + rk, s_ap, s_ak)
+    b_ptrs = b_ptr + _at(tl.load(m + 5) + rk, tl.load(m + 6) + rq, s_bk, s_bq)
     acc = tl.zeros((BP, BQ), dtype=tl.float32)
     for k0 in range(0, K, BK):   # the pointers advance by BK along K, as in Triton's matmul tutorial
         a = tl.load(a_ptrs, mask=(rp[:, None] < P) & (k0 + rk[None, :] < K), other=0.0)
@@ -147,7 +154,7 @@ def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_c
         acc += _dot(a, b, UPCAST, IEEE)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
-    tl.store(c_ptr + (tl.load(m + 7) + rp)[:, None] * s_cp + (tl.load(m + 8) + rq)[None, :] * s_cq,
+    tl.store(c_ptr + _at(tl.load(m + 7) + rp, tl.load(m + 8) + rq, s_cp, s_cq),
              acc.to(c_ptr.dtype.element_ty), mask=(rp[:, None] < P) & (rq[None, :] < Q))
 
 
@@ -156,11 +163,13 @@ def rms_fwd(x_ptr, g_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK:
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    for row in range(pid * ROWS, pid * ROWS + ROWS):
+    for i in range(ROWS):
+        row = pid.to(tl.int64) * ROWS + i   # int64: rows × N passes 2^31 on long batches
         if row < M:
-            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            at = row * N + cols
+            x = tl.load(x_ptr + at, mask=cols < N, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-            tl.store(y_ptr + row * N + cols, (x * rstd * g).to(y_ptr.dtype.element_ty), mask=cols < N)
+            tl.store(y_ptr + at, (x * rstd * g).to(y_ptr.dtype.element_ty), mask=cols < N)
             tl.store(rstd_ptr + row, rstd)
 
 @triton.jit
@@ -170,17 +179,19 @@ def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.const
     cols = tl.arange(0, BLOCK)
     g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     dg = tl.zeros((BLOCK,), dtype=tl.float32)
-    for row in range(pid * ROWS, pid * ROWS + ROWS):
+    for i in range(ROWS):
+        row = pid.to(tl.int64) * ROWS + i   # int64: rows × N passes 2^31 on long batches
         if row < M:
-            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            at = row * N + cols
+            x = tl.load(x_ptr + at, mask=cols < N, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + at, mask=cols < N, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + row)
             xhat = x * rstd
             wdy = dy * g
             c = tl.sum(xhat * wdy, axis=0) / N
-            tl.store(dx_ptr + row * N + cols, ((wdy - xhat * c) * rstd).to(dx_ptr.dtype.element_ty), mask=cols < N)
+            tl.store(dx_ptr + at, ((wdy - xhat * c) * rstd).to(dx_ptr.dtype.element_ty), mask=cols < N)
             dg += dy * xhat
-    tl.store(dg_ptr + pid * N + cols, dg, mask=cols < N)
+    tl.store(dg_ptr + pid.to(tl.int64) * N + cols, dg, mask=cols < N)
 
 
 # ------------------------------------------------------------------------- autotuned launches
@@ -190,8 +201,8 @@ def _tuned(fn, names, key, **options):
     return {bits: triton.autotune(gemm_configs(names, bits), key=key, **options)(fn) for bits in (16, 32)}
 
 
-norm_down_fwd = _tuned(_norm_down_fwd, ("BM", "BN", "BK"), ["M", "N", "K"])
-norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M", "N", "K"], reset_to_zero=["dg_ptr"])  # unused rows stay 0
+norm_down_fwd = _tuned(_norm_down_fwd, ("BM", "BN", "BK"), ["M_KEY", "N", "K"])
+norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M_KEY", "N", "K"], reset_to_zero=["dg_ptr"])  # unused rows stay 0
 grouped = _tuned(_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"])
 CALLS = ("up", "dz", "dW", "dA")   # the grouped products kernels.py launches
 # the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here
@@ -202,6 +213,12 @@ MIN_BM = min(c.kwargs["BM"] for bits in (16, 32) for c in gemm_configs(("BM", "B
 
 def bits(t):
     return 32 if t.dtype == torch.float32 else 16
+
+
+def bucket(n):
+    """n rounded up to a power of two: the autotuners' key for a token count, so that sampling's
+    M = 1, 2, 3, ... (and a ragged last batch) reuse a few tunings instead of tuning each M."""
+    return triton.next_power_of_2(max(1, n))
 
 
 @functools.lru_cache(maxsize=64)
@@ -239,10 +256,18 @@ def grouped_mm(A, B, C, groups, call):
     up, ieee = dot_flags(A.t)
     grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"]) for g in groups),)
     grouped[bits(A.t)][grid](A.t, B.t, C.t, _meta(groups, C.t.device), A.s_outer, A.s_inner, B.s_outer, B.s_inner,
-                             C.s_outer, C.s_inner, max(g[0] for g in groups), max(g[1] for g in groups),
-                             max(g[2] for g in groups), CALLS.index(call), G=len(groups), UPCAST=up, IEEE=ieee)
+                             C.s_outer, C.s_inner, *(bucket(max(g[i] for g in groups)) for i in range(3)),
+                             CALLS.index(call), G=len(groups), UPCAST=up, IEEE=ieee)
     return C.t
 
 
 def rows():
     return 4 if INTERPRET else ROWS_CONFIG["ROWS"]
+
+
+def rms_warps(block, backward=False):
+    """Warps for an RMSNorm row of BLOCK columns (tools/gpu_compile.py, ptxas -v, sm_80 and sm_90):
+    4 up to 4096 both ways; at 8192 (d > 4096: the 13B and 30B models) the backward spills with 4
+    (about 600 B bf16, 6,400 B fp32) and not with 8, while the forward spills 8 B with 8 on sm_90 and
+    none with 4. Twice the row, twice the warps from there."""
+    return min(16, max(4, block // (1024 if backward else 2048)))

@@ -31,7 +31,7 @@ def _pipeline_worker(rank, world, meshes):
             pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
             share = slice(dp_rank * 8 // dp, (dp_rank + 1) * 8 // dp)
             parallel.LEDGER.reset()
-            pipe_loss = torch.tensor(pipe.run(idx[share], tgt[share]))
+            pipe_loss = pipe.run(idx[share], tgt[share]).clone()
             parallel.all_reduce_grads(stage, mesh.get_group("dp"))
             parallel.reduce_tied_grad(stage, mesh.get_group("pp"))
             dist.all_reduce(pipe_loss, group=mesh.get_group("dp"))

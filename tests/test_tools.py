@@ -64,3 +64,35 @@ def test_every_bench_prints_its_help_and_runs_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []   # no corpus, no results: nothing ran
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "nope"], capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.startswith("error: name one of archs")
+
+
+def test_gpu_check_step_runner_keeps_what_a_timed_out_step_printed():
+    """gpu_check.py runs each step in its own process: lines echo as they come, a step past its
+    timeout is killed (with what it started) and reported, and its earlier lines are kept."""
+    import gpu_check
+    seen = []
+    hang = "import time; print('first result', flush=True); time.sleep(60)"
+    t0 = __import__("time").time()
+    status, result = gpu_check.run_step([sys.executable, "-c", hang], 3, seen.append)
+    assert status == "timed out" and result is None and seen == ["  first result"]
+    assert __import__("time").time() - t0 < 20
+    done = "print('RESULT {\"failed\": 1}')"
+    assert gpu_check.run_step([sys.executable, "-c", done], 30, seen.append) == ("failed", {"failed": 1})
+    assert gpu_check.run_step([sys.executable, "-c", "raise SystemExit(3)"], 30, seen.append)[0] == "failed"
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_steps_on_a_cpu(tmp_path):
+    """The whole check, --cpu: its kernel step (interpreted), its training runs (reference and
+    interpreted kernels, resumed, recompute=lowrank) and sample; the summary says each step's state."""
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--cpu", f"--json={tmp_path / 's.json'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert {k: v["status"] for k, v in summary.items()} == {"env": "ok", "kernels": "ok", "train": "ok", "bench": "skipped"}
+    assert summary["kernels"]["passed"] == 12 and summary["kernels"]["failed"] == 0
+    assert set(summary["train"]["compared"]) == {"triton-float32 vs torch-float32", "resumed-float32 vs triton-float32",
+                                                 "lowrank-float32 vs triton-float32"}
+    assert "summary: env ok; kernels ok; train ok; bench skipped" in res.stdout
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "-h"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--budget_s" in res.stdout

@@ -98,9 +98,9 @@ def matmul_peak(device, dtype=torch.bfloat16, n=8192):
 def train_step(cfg, device, compile_, batch=1, runs=5):
     """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
     import options
-    import train
+    import placement
     # built as train.py builds it: with the kernels on, the BTP layer with a TP group of one
-    model = train.build_model(cfg, options.TrainConfig(seed=0), train.Placement(1, 1, str(device)), "btp")[0]
+    model = placement.build_model(cfg, options.TrainConfig(seed=0), placement.Placement(1, 1, str(device)), "btp")[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=str(device).startswith("cuda"))
     run = torch.compile(model) if compile_ else model
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device)

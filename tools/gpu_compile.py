@@ -84,8 +84,9 @@ def cases():
                         yield cap, dtype, name, call, {**const, **({"G": 3} if ones else {}),
                                                        **{o: 1 for o in ones}}, cfg.num_warps, cfg.num_stages
             for name in ("rms_fwd", "rms_bwd"):
-                yield (cap, dtype, name, "", {"ROWS": tk.ROWS_CONFIG["ROWS"], "BLOCK": 4096},
-                       tk.ROWS_CONFIG["num_warps"], 1)
+                for block in (4096, 8192):   # d ≤ 4096 (up to 7B), and the 13B and 30B models' 5120, 6656
+                    yield (cap, dtype, name, "", {"ROWS": tk.ROWS_CONFIG["ROWS"], "BLOCK": block},
+                           tk.rms_warps(block, backward=name == "rms_bwd"), 1)
 
 
 def compile_one(case):

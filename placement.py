@@ -1,0 +1,68 @@
+"""placement.py: where a run's processes sit and the model each of them holds.
+
+BOOST (arXiv 2512.12131) section 3 places a model on a (dp, pp, tp) mesh of processes; this is the
+step of train.py that does it: the process group and the mesh under torchrun (NCCL on GPUs, gloo
+elsewhere), this rank's coordinates in it, and this rank's part of the single-device model
+(layouts.TPLlama cuts it). explain.py and tools/bench_gpu.py build their models here too.
+"""
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import checkpointing
+import kernels
+import layouts
+import parallel
+from model import Llama
+
+
+@dataclass
+class Placement:
+    """Where this process sits in the (dp, pp, tp) mesh (parallel.init_mesh), and on which device."""
+    world: int
+    dp: int
+    device: str
+    mesh: object = None
+    tp: parallel.TP = field(default_factory=lambda: parallel.TP(None, 0, 1))   # a group of one
+    dp_rank: int = 0
+    pp_rank: int = 0
+    host_group: object = None   # gloo, over every rank, whatever the device
+
+    def group(self, name):
+        return self.mesh.get_group(name) if self.mesh is not None else None
+
+    @property
+    def ckpt_mesh(self):  # a stage's tensors are sharded over its own (dp, tp) ranks in a checkpoint
+        return self.mesh["dp", "tp"] if self.mesh is not None else None
+
+
+def place_processes(tc, world, dp, device):
+    """The process group and the (dp, pp, tp) mesh under torchrun (NCCL on GPUs, gloo elsewhere)."""
+    if world == 1:
+        return Placement(world, dp, device)
+    if device == "cuda":
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
+    tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
+    kernels.agree_over(mesh.get_group("tp"), mesh.get_group("dp"))   # a stage's ranks choose kernels alike
+    host = dist.new_group(backend="gloo")   # CPU-side agreements (interrupts) that must not wait for the GPU
+    return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), host)
+
+
+def build_model(cfg, tc, place, layout):
+    """The model this rank trains, and the full model's parameter and FLOP counts. Every layout is
+    cut from the single-device model built from one seed, so every layout starts from the same
+    weights: under TP or PP this rank's part of it (layouts.TPLlama); on one device with the Triton
+    kernels on, the BTP layer with a TP group of one (so one GPU runs the fused kernels too);
+    otherwise model.Llama itself, the reference the tests compare every layout with."""
+    torch.manual_seed(tc.seed)
+    model = Llama(cfg, recompute=tc.recompute, layer_runner=checkpointing.run_layers)
+    counts = model.num_params(), model.flops_per_token(cfg.block_size)
+    if tc.tp > 1 or tc.pp > 1:
+        model = layouts.TPLlama(model, place.tp, layout, stage=place.pp_rank, stages=tc.pp)
+    elif cfg.lowrank and kernels.backend() != "torch":
+        model = layouts.TPLlama(model, place.tp, "btp")
+    return model.to(place.device), *counts

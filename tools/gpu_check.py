@@ -1,0 +1,136 @@
+"""gpu_check.py: the first run on a GPU machine, in one command of at most 8 minutes.
+
+BOOST (arXiv 2512.12131) sections 3-4 and 7 run on GPUs; this says whether this project does, on a
+machine with PyTorch already installed (its own python3, no pip):
+
+    python3 tools/gpu_check.py [--budget_s=480] [--json=gpu-check.json]
+    python3 tools/gpu_check.py --cpu        # the same steps, small, on a CPU (the tests run this)
+
+Each step runs in its own process under its own timeout (cut to what is left of the budget), prints
+its results as they come, so a step that hangs or times out keeps what it did, and the others still
+run; one summary at the end, and a JSON file of it. The steps:
+1. env: nvidia-smi, the versions of Python, torch, triton and numpy, the GPU and its capability.
+2. kernels: every Triton kernel against the PyTorch reference, forward and backward, bf16 and fp32,
+   every tile configuration on ragged shapes, and the 1B and 7B TP=4 shapes through the autotuners
+   (gpu_check_kernels.py).
+3. train: 30 iterations on the embedded corpus with --kernels=torch, triton and auto, fp32 and
+   bf16 (the losses agree: fp32 within 1e-3 relative, bf16 within 2%), resumed from the checkpoint
+   at 15, with --recompute=lowrank, and compiled; then the time of a 200-token sample.
+4. bench: `bench.py gpu`'s kernels-against-cuBLAS table and its step and MFU rows, at 2 layers.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]   # the core files live at the repository root
+STEPS = {"env": 20, "kernels": 150, "train": 170, "bench": 140}   # each one's timeout, seconds (480 in all)
+
+
+def run_step(cmd, timeout, log, env=None):
+    """Run one step's command, echoing its lines as they come; (status, its RESULT record or None).
+    status is "ok", "failed" (it reported failures or exited non-zero) or "timed out"."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    result, deadline = None, time.time() + timeout
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while time.time() < deadline:
+        if not sel.select(timeout=max(0.0, min(1.0, deadline - time.time()))):
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+        else:
+            log("  " + line.rstrip())
+    else:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        return "timed out", result
+    code = proc.wait()
+    if code == 0 and result and result.get("skipped"):
+        return "skipped", result
+    return ("ok" if code == 0 and result and not result.get("failed") else "failed"), result
+
+
+def report(**record):
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def step_env(args):
+    import numpy
+    import torch
+    import triton
+    if not args.cpu:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
+        print(smi.stdout.strip() or smi.stderr.strip(), flush=True)
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    record = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+              "numpy": numpy.__version__, "cuda": torch.version.cuda,
+              "gpu": torch.cuda.get_device_name() if cap else None, "capability": cap}
+    print(", ".join(f"{k} {v}" for k, v in record.items()), flush=True)
+    report(**record, failed=0 if (cap or args.cpu) else 1)
+
+
+def step_kernels(args):
+    import gpu_check_kernels
+    passed, failed = gpu_check_kernels.run(device(args), lambda s: print(s, flush=True), real_shapes=not args.cpu)
+    report(passed=passed, failed=failed)
+
+
+def step_bench(args):
+    if args.cpu:
+        report(skipped="bench.py gpu needs CUDA", failed=0)
+        return
+    import bench_gpu
+    text, out = bench_gpu.run("cuda", n_layer=2)
+    print(text, flush=True)
+    report(failed=0, matmul_peak_tflops=out["matmul_peak_tflops"], steps=out["steps"])
+
+
+def device(args):
+    return "cpu" if args.cpu else "cuda"
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--budget_s", type=float, default=480, help="the whole check's limit (default 480)")
+    ap.add_argument("--json", default="gpu-check.json", help="where the summary goes (default gpu-check.json)")
+    ap.add_argument("--cpu", action="store_true", help="the same steps, small, on a CPU (the tests' mode)")
+    ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)   # one step, in its own process
+    ap.add_argument("--out", help=argparse.SUPPRESS)                          # the train step's scratch folder
+    args = ap.parse_args(argv)
+    if args.step:
+        import gpu_check_train
+        {"env": step_env, "kernels": step_kernels, "train": gpu_check_train.step, "bench": step_bench}[args.step](args)
+        return
+    start, summary = time.time(), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, limit in STEPS.items():
+            left = args.budget_s - (time.time() - start)
+            if left < 5:
+                summary[name] = {"status": "not run (budget spent)"}
+                continue
+            print(f"== {name} (at most {min(limit, left):.0f} s)", flush=True)
+            t0 = time.time()
+            cmd = [sys.executable, str(Path(__file__)), f"--step={name}", f"--out={tmp}"] + (["--cpu"] if args.cpu else [])
+            status, result = run_step(cmd, min(limit, left), print, {"TRITON_INTERPRET": "1"} if args.cpu else None)
+            summary[name] = {"status": status, "seconds": round(time.time() - t0, 1), **(result or {})}
+            print(f"== {name}: {status} in {summary[name]['seconds']} s", flush=True)
+    print("\nsummary: " + "; ".join(f"{n} {s['status']}" for n, s in summary.items()) +
+          f" ({time.time() - start:.0f} s of {args.budget_s:.0f})")
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"written to {args.json}")
+    return 0 if all(s["status"] in ("ok", "skipped") for s in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,91 @@
+"""gpu_check_kernels.py: gpu_check.py's kernel step: every Triton kernel of kernels.py against its
+PyTorch reference, forward and backward, on the device it runs on.
+
+BOOST (arXiv 2512.12131) sections 3-4 (online RMSNorm fused with the down-projection, the grouped
+up-projections, RMSNorm). Each tile configuration of triton_kernels.GEMM_CONFIGS is forced in turn
+(the autotuners get a list of one) on ragged shapes, bf16 and fp32; then the TP=4 slices of BOOST's
+1B and 7B shapes go through the real autotuners. Both sides get the same inputs rounded to the dtype;
+the reference computes in fp32, and the error is the largest difference relative to the largest
+reference value, for the outputs and for every input's gradient. On a CPU it runs in Triton's
+interpreter (one configuration, small shapes), which is how the tests run it.
+"""
+import contextlib
+
+import torch
+
+import kernels
+import triton_kernels as tk
+
+# ragged on purpose: no size a multiple of a tile (M, K, N) or of a group's width
+RAGGED = [("norm_down", [(77, 96), (96,), (40, 96)]), ("norm_down", [(130, 33), (33,), (72, 33)]),
+          ("grouped_up", [(77, 48), (40, 16), (24, 16), (24, 16)]), ("grouped_up", [(130, 40), (33, 20), (33, 20)]),
+          ("rms_norm", [(77, 96), (96,)]), ("rms_norm", [(5, 5120), (5120,)])]
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+FN = {"norm_down": lambda x, g, A: list(kernels.norm_down(x, g, A)),
+      "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
+      "rms_norm": lambda x, g: [kernels.rms_norm(x, g, 1e-6)]}
+
+
+def compare(op, shapes, dtype, device, seed=0):
+    """(output error, gradient error) of the Triton path against the fp32 reference on the same inputs."""
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s, generator=g) for s in shapes]
+    if op != "grouped_up":
+        base[1] = 1 + base[1].abs()   # a gain
+    got = {}
+    for impl, dt in (("triton", dtype), ("torch", torch.float32)):
+        inputs = [b.to(dtype).to(device=device, dtype=dt).requires_grad_() for b in base]
+        with kernels.using(impl):
+            outs = FN[op](*inputs)
+        up = torch.Generator().manual_seed(seed + 1)
+        torch.autograd.backward(outs, [torch.randn(o.shape, generator=up).to(device, o.dtype) for o in outs])
+        got[impl] = [o.detach().float() for o in outs], [i.grad.float() for i in inputs]
+
+    def err(pairs):
+        return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in pairs)
+    return err(zip(got["triton"][0], got["torch"][0])), err(zip(got["triton"][1], got["torch"][1]))
+
+
+def tuners(bits):
+    return [tk.norm_down_fwd[bits], tk.norm_down_dx[bits], tk.grouped[bits]]
+
+
+@contextlib.contextmanager
+def forced(bits, i):
+    """The autotuners for `bits`-wide inputs with their i-th configuration only (then restored)."""
+    saved = [(t, t.configs) for t in tuners(bits)]
+    for t, configs in saved:
+        t.configs = [configs[i]]
+        t.cache.clear()
+    try:
+        yield saved[0][1][i]
+    finally:
+        for t, configs in saved:
+            t.configs = configs
+            t.cache.clear()
+
+
+def check(op, shapes, dtype, device, label, log):
+    """One comparison, logged as it comes; True when within TOL."""
+    out_err, grad_err = compare(op, shapes, dtype, device)
+    ok = max(out_err, grad_err) <= TOL[dtype]
+    log(f"{'ok  ' if ok else 'FAIL'} {label} {op} {'x'.join(map(str, shapes[0]))}: output {out_err:.1e}, "
+        f"gradients {grad_err:.1e} (tolerance {TOL[dtype]:.0e})")
+    return ok
+
+
+def run(device, log, real_shapes=True):
+    """Every configuration on the ragged shapes, then the real shapes autotuned; (passed, failed)."""
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        bits = tk.bits(torch.empty(0, dtype=dtype))
+        for i in range(len(tuners(bits)[0].configs)):
+            with forced(bits, i) as config:
+                label = f"{str(dtype)[6:]} {'x'.join(str(v) for v in config.kwargs.values())} w{config.num_warps} s{config.num_stages}"
+                results += [check(op, shapes, dtype, device, label, log) for op, shapes in RAGGED]
+        if real_shapes:
+            import bench_gpu
+            for name, cfg in bench_gpu.shapes().items():
+                for case, op, shapes, _ in bench_gpu.kernel_cases(cfg):
+                    results.append(check(op, shapes, dtype, device, f"{str(dtype)[6:]} {name} TP=4 {case} (autotuned)", log))
+    return results.count(True), results.count(False)

@@ -1,0 +1,116 @@
+"""gpu_check_train.py: gpu_check.py's train step: short training runs whose losses must agree, and
+the time of a 200-token sample.
+
+BOOST (arXiv 2512.12131) sections 3-4: the Triton kernels (--kernels=triton), the PyTorch reference
+(torch) and the per-shape choice between them (auto) train the same CoLA model to the same losses:
+fp32 within 1e-3 relative at every iteration, bf16 within 2%. A run stopped at iteration 15 and
+resumed, one with --recompute=lowrank and one compiled train to the straight run's losses too. The
+runs are train.py processes, side by side on the one GPU (small models); on a CPU (--cpu) a smaller
+model, fp32, the reference and the interpreted kernels.
+"""
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--n_kv_head=4", "--block_size=256", "--batch_size=8",
+       "--max_iters=30", "--lr_decay_iters=30", "--eval_interval=15"]
+CPU = ["--n_layer=2", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--batch_size=4",
+       "--max_iters=6", "--lr_decay_iters=6", "--eval_interval=3"]
+TOL = {"float32": 1e-3, "bfloat16": 2e-2}
+
+
+def plan(cpu):
+    """{run name: extra options} of the runs side by side, and the comparisons (run, against, dtype)."""
+    dtypes = ["float32"] if cpu else ["float32", "bfloat16"]
+    impls = ["torch", "triton"] if cpu else ["torch", "triton", "auto"]   # (auto on a CPU is the reference)
+    runs = {f"{k}-{d}": [f"--kernels={k}", f"--dtype={d}"] for k in impls for d in dtypes}
+    runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32", f"--max_iters={3 if cpu else 15}"]  # then resumed
+    runs["lowrank-float32"] = ["--kernels=triton", "--dtype=float32", "--recompute=lowrank"]
+    if not cpu:
+        runs["compiled-bfloat16"] = ["--kernels=auto", "--dtype=bfloat16", "--compile=true"]
+    pairs = [(f"{k}-{d}", f"torch-{d}", d) for k in impls[1:] for d in dtypes]
+    pairs += [("resumed-float32", "triton-float32", "float32"), ("lowrank-float32", "triton-float32", "float32")]
+    if not cpu:
+        pairs.append(("compiled-bfloat16", "auto-bfloat16", "bfloat16"))
+    return runs, pairs
+
+
+def launch(name, extra, args, data_dir):
+    """Start one train.py run into <out>/<name>; (process, start time). Its output goes to <name>.log."""
+    cmd = [sys.executable, str(ROOT / "train.py"), f"--out_dir={Path(args.out) / name}", f"--data_dir={data_dir}",
+           "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
+           f"--device={'cpu' if args.cpu else 'cuda'}", *(CPU if args.cpu else GPU), *extra]
+    log = open(Path(args.out) / f"{name}.log", "a")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), time.time()
+
+
+def finish(name, proc_t0, args):
+    """Wait for a run; its per-iteration losses ({iter: loss}, over every launch into its out_dir) or
+    None, logged."""
+    proc, t0 = proc_t0
+    code = proc.wait()
+    path = Path(args.out) / name / "metrics.jsonl"
+    records = [json.loads(x) for x in open(path)] if path.exists() else []
+    losses = {r["iter"]: r["loss"] for r in records if "loss" in r}
+    tail = (Path(args.out) / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
+    print(f"{'ok  ' if code == 0 else 'FAIL'} run {name}: exit {code} in {time.time() - t0:.0f} s, "
+          f"{len(losses)} iterations" + (f", last loss {losses[max(losses)]:.4f}" if losses else f": {tail[0]}"), flush=True)
+    return losses if code == 0 else None
+
+
+def agree(a, b):
+    """The largest relative difference of two runs' losses over the iterations both have."""
+    common = sorted(set(a) & set(b))
+    return max(abs(a[i] - b[i]) / abs(b[i]) for i in common) if common else float("inf")
+
+
+def sample_ms(args):
+    """ms of the 200-token sample a run ends with (train.sample's path: autocast, the reference ops)."""
+    import torch
+    import data
+    import kernels
+    import options
+    import placement
+    from interchange import sample_text
+    cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2", "--kernels=auto"])
+    cfg.vocab_size = options.vocab_size("bytes")
+    dev = "cpu" if args.cpu else "cuda"
+    kernels.select("auto", dev)
+    net = placement.build_model(cfg, tc, placement.Placement(1, 1, dev), "btp")[0]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
+    t0 = time.time()
+    with torch.no_grad(), autocast, kernels.reference():
+        sample_text(net, data.get_tokenizer("bytes"), 200 if dev == "cuda" else 20, dev)
+    return (time.time() - t0) * 1000
+
+
+def step(args):
+    import data
+    import prepare
+    data_dir = Path(args.out) / "data"
+    shutil.rmtree(data_dir, ignore_errors=True)
+    prepare.prepare(data.EMBEDDED, "bytes", data_dir, log=lambda *a: None)
+    runs, pairs = plan(args.cpu)
+    started = {name: launch(name, extra, args, data_dir) for name, extra in runs.items()}
+    losses = {name: finish(name, p, args) for name, p in started.items()}
+    if losses["resumed-float32"] is not None:   # the second half, from the checkpoint at the middle
+        resumed = launch("resumed-float32", ["--kernels=triton", "--dtype=float32", "--init_from=resume"], args, data_dir)
+        losses["resumed-float32"] = finish("resumed-float32", resumed, args)
+    failed = sum(v is None for v in losses.values())
+    compared = {}
+    for run, against, dtype in pairs:
+        if losses.get(run) is None or losses.get(against) is None:
+            continue
+        diff = agree(losses[run], losses[against])
+        compared[f"{run} vs {against}"] = diff
+        ok = diff <= TOL[dtype]
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {run} against {against}: largest relative loss difference {diff:.1e} "
+              f"(tolerance {TOL[dtype]:.0e})", flush=True)
+    ms = sample_ms(args)
+    print(f"ok   sample of {200 if not args.cpu else 20} tokens in {ms:.0f} ms", flush=True)
+    print("RESULT " + json.dumps({"failed": failed, "compared": compared, "sample_ms": ms}), flush=True)
