@@ -3,13 +3,17 @@
 Not part of the BOOST paper (arXiv 2512.12131); what a pretraining corpus looks like on disk. A
 dataset is a file or a folder (recursive, sorted, hidden files skipped) of text files (one document
 each; any name but the ones below), JSON Lines (`.jsonl`, `.json`: one document per line, its text
-in the `text_field` the workers read), and the gzip-compressed form of either (`.gz`). Documents
+in the `text_field` the workers read), the gzip- or zstd-compressed form of either (`.gz`, `.zst`:
+C4's .json.gz, The Pile's and SlimPajama's .jsonl.zst, streamed), and Parquet (`.parquet`: FineWeb,
+DCLM; one document per row, its text in the `text_field` column, read one row group at a time,
+which pyarrow needs; zstandard reads .zst). Documents
 are read one at a time and cut into pieces of about PIECE bytes at line ends, and pieces are handed
 out in tasks of about CHUNK bytes across document and file boundaries, so memory does not grow with
 the corpus or with a document. Binary files (a NUL byte in the first 8 KiB) and corrupt .gz files
-are skipped and named.
+are skipped and named, as are rows whose text is missing or not a string.
 """
 import gzip
+import io
 from pathlib import Path
 
 import data
@@ -21,9 +25,43 @@ JSON_SUFFIXES = (".jsonl", ".json")
 
 
 def kind_of(path):
-    """'jsonl' or 'text', and whether gzip-compressed, from the file name."""
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    return ("jsonl" if name.endswith(JSON_SUFFIXES) else "text"), path.name.endswith(".gz")
+    """'parquet', 'jsonl' or 'text', and the compression ('gz', 'zst' or None), from the file name."""
+    name, packed = path.name, None
+    for suffix in (".gz", ".zst"):
+        if name.endswith(suffix):
+            name, packed = name[:-len(suffix)], suffix[1:]
+    if name.endswith(".parquet"):
+        return "parquet", packed
+    return ("jsonl" if name.endswith(JSON_SUFFIXES) else "text"), packed
+
+
+def check_packages(files):
+    """A one-line ValueError naming the package a corpus's formats need and this Python lacks."""
+    kinds = {kind_of(f) for f in files}
+    for needed, package in ((lambda k: k[0] == "parquet", "pyarrow"), (lambda k: k[1] == "zst", "zstandard")):
+        if any(needed(k) for k in kinds):
+            from tokenizer import need
+            need(package, f"reading the corpus's {'.parquet' if package == 'pyarrow' else '.zst'} files")
+
+
+def damaged_errors():
+    """What reading a damaged file raises: OSError, EOFError (gzip), ValueError (pyarrow's ArrowInvalid)
+    and zstandard's ZstdError where it is installed."""
+    try:
+        import zstandard
+        return OSError, EOFError, ValueError, zstandard.ZstdError
+    except ImportError:
+        return OSError, EOFError, ValueError
+
+
+def open_stream(raw, packed):
+    """The decompressed bytes of an open file, streamed."""
+    if packed == "gz":
+        return gzip.GzipFile(fileobj=raw)
+    if packed == "zst":
+        import zstandard
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
 
 
 def pieces(buf, final):
@@ -91,14 +129,16 @@ class Reader:
                     yield from self._add(("text", "pydoc", self.doc, k, piece, k == len(cut) - 1))
                 self.doc += 1
         for f in self.files:
-            kind, zipped = kind_of(f)
+            kind, packed = kind_of(f)
             with open(f, "rb") as self.raw:
-                stream = gzip.GzipFile(fileobj=self.raw) if zipped else self.raw
                 base = self.done_bytes
                 try:
-                    yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), stream)
-                except (OSError, EOFError) as e:   # a corrupt .gz: say so, keep what was read
-                    self.skipped.append(f"{f} ({type(e).__name__}: {e})")
+                    if kind == "parquet":
+                        yield from self._parquet(f)
+                    else:
+                        yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), open_stream(self.raw, packed))
+                except damaged_errors() as e:   # a corrupt .gz, .zst or .parquet: say so, keep what was read
+                    self.skipped.append(f"{f} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})")
             self.done_bytes = base + f.stat().st_size
         if self.items:
             yield self.opts, self.items
@@ -106,8 +146,8 @@ class Reader:
     def _add(self, item):
         """Add an item; yields a full task when there is one."""
         self.items.append(item)
-        self.size += len(item[4])
-        self.item_bytes += len(item[4])
+        self.size += len(item[4] or b"")
+        self.item_bytes += len(item[4] or b"")
         if self.size >= CHUNK:
             yield self.opts, self.items
             self.items, self.size = [], 0
@@ -131,6 +171,22 @@ class Reader:
         if held is not None:
             yield from self._add(("text", f, self.doc, k, held, True))
         self.doc += 1
+
+    def _parquet(self, f):
+        """One row group at a time (bounded memory); each row's text is an item the workers cut."""
+        import pyarrow.parquet as pq
+        table = pq.ParquetFile(self.raw)   # (read through self.raw: progress counts its bytes)
+        field = self.opts[1]
+        if field not in table.schema_arrow.names:
+            self.skipped.append(f"{f} (no column {field!r}; its columns: {', '.join(table.schema_arrow.names[:8])})")
+            return
+        row = 0
+        for group in range(table.num_row_groups):
+            for text in table.read_row_group(group, columns=[field]).column(0).to_pylist():
+                row += 1
+                blob = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
+                yield from self._add(("row", str(f), self.doc, row, blob, None))
+                self.doc += 1
 
     def _jsonl(self, f, stream):
         for line_no, line in enumerate(stream, 1):

@@ -1,11 +1,11 @@
-"""data.py: tokenisers, token files and deterministic per-rank batches: what training reads.
+"""data.py: token files and deterministic per-rank batches: what training reads.
 
 Not part of the BOOST paper (arXiv 2512.12131) itself; it is what makes every layout comparable:
 the global batch of a step is a function of (seed, step) alone, so a data-parallel or
 tensor-parallel run sees exactly the sequences a single process sees, and a resumed run sees
 exactly what an uninterrupted one would.
 
-This file holds what training reads: the tokenizers, and the token files of a prepared corpus,
+This file holds what training reads: the token files of a prepared corpus,
 <data_dir>/<name>-<tokenizer>/train.bin and val.bin (memmapped integers, nanoGPT style) beside
 meta.json (tokeniser, vocabulary size, token counts, checksums, source fingerprint). Everything that
 turns a corpus's files into token files is prepare.py (and corpus.py). This file imports no torch
@@ -20,28 +20,11 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-import tiktoken
 
-TOKENIZERS = ("bytes", "gpt2")
-EOT = "<|endoftext|>"
-# GPT-2's pre-tokenisation pattern; it only splits text into pieces, the ranks do the rest.
-GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+import tokenizer
+
 EMBEDDED = "pydoc"  # the default corpus: Python's own help text, shipped with every CPython (prepare.py)
-
-
-def get_tokenizer(name):
-    """A tiktoken Encoding: 'bytes' (256 byte values + <|endoftext|>, offline) or 'gpt2'."""
-    if name == "bytes":
-        ranks = {bytes([i]): i for i in range(256)}
-        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                                 special_tokens={EOT: 256})
-    if name == "gpt2":
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as e:  # network or cache failure inside tiktoken
-            raise ValueError(f"cannot load the GPT-2 vocabulary ({type(e).__name__}); set "
-                             "TIKTOKEN_CACHE_DIR to a tiktoken cache or use --tokenizer=bytes") from None
-    raise ValueError(f"tokenizer={name!r} is not one of {', '.join(TOKENIZERS)}")
+get_tokenizer = tokenizer.load   # bytes, gpt2, or a tokenizer.json / SentencePiece .model (tokenizer.py)
 
 
 def crc32(path, chunk=16 << 20):

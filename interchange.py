@@ -37,6 +37,7 @@ import torch
 import integrity
 import model as llama
 import train_state
+from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, write_for_hf
 
 FORMATS = ("hf", "cola")
 WEIGHTS = "model.safetensors"   # what transformers writes by default
@@ -129,10 +130,12 @@ def write(folder, state, cfg, fmt, tokenizer):
     tensors, st = to_format(state, cfg, fmt), _safetensors()
     if os.path.exists(folder) and os.listdir(folder):
         raise ValueError(f"{folder} exists and is not empty: choose another folder")
+    tokenizer_identity(tokenizer)   # (a tokenizer file that is gone: one line, before anything is written)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config(cfg, fmt, tokenizer), f, indent=1)
     st.save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    write_for_hf(tokenizer, folder)   # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
 
 
 def read_tensors(folder):
@@ -291,7 +294,7 @@ def import_folder(folder, out_dir, tokenizer=None):
     import options
     import rundir
     kw, state, named = read(folder)
-    tokenizer = tokenizer or named
+    tokenizer = tokenizer or tokenizer_in(folder) or named   # --tokenizer, else the folder's file, else its name
     if tokenizer is None:
         raise ValueError(f"{folder} does not name its tokenizer: pass --tokenizer")
     if options.vocab_size(tokenizer) != kw["vocab_size"]:
@@ -305,7 +308,9 @@ def import_folder(folder, out_dir, tokenizer=None):
                          "or empty out_dir")
     m = llama.Llama(llama.Config(**kw))
     m.load_state_dict(state)
-    meta = {"config": m.cfg.shape(), "tokenizer": tokenizer, "run_id": rundir.new_run_id(), "imported_from": folder}
+    tokenizer = keep_tokenizer(tokenizer, out_dir)   # a copy in out_dir/tokenizer/ for the runs that continue it
+    meta = {"config": m.cfg.shape(), "tokenizer": tokenizer, "tokenizer_id": tokenizer_identity(tokenizer),
+            "run_id": rundir.new_run_id(), "imported_from": folder}
     return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
 
 
@@ -357,7 +362,7 @@ def cli(argv):
     p = sub.add_parser("import", help="an hf or cola folder as the training checkpoint of a new run")
     p.add_argument("folder", help="a folder with config.json and model.safetensors (or pytorch_model.bin)")
     p.add_argument("out_dir", help="the new run's out_dir; continue with train.py --init_from=resume")
-    p.add_argument("--tokenizer", choices=data.TOKENIZERS, help="default: the one config.json names")
+    p.add_argument("--tokenizer", help="default: the folder's tokenizer file, else the one config.json names")
     p = sub.add_parser("sample", help="generate text from an exported file")
     p.add_argument("model_file", type=_exported_file)
     p.add_argument("tokens", type=data.positive_int, nargs="?", default=200, help="tokens to generate (default 200)")
@@ -382,14 +387,7 @@ def cli(argv):
     except Exception as e:  # not a torch.save file, or not one of ours: unpickling fails many ways
         parser.error(f"{args.model_file} is not an exported model ({type(e).__name__})")
     torch.manual_seed(1337)
-    print(sample_text(m, enc, args.tokens))
-
-
-def sample_text(model, enc, n_tokens, device="cpu"):
-    """n_tokens generated after <|endoftext|> (temperature 0.8, top 50), decoded; the ids of the
-    vocabulary's padding are never decoded."""
-    out = model.generate(torch.tensor([[enc.eot_token]], device=device), n_tokens, temperature=0.8, top_k=50)
-    return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])
+    print(llama.sample_text(m, enc, args.tokens))
 
 
 if __name__ == "__main__":

@@ -271,3 +271,10 @@ class Llama(nn.Module):
 def estimate_mfu(flops_per_token, tokens_per_s, peak_tflops):
     """Model FLOPs utilisation against a peak you name (TFLOP/s); None when no peak is given."""
     return flops_per_token * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None
+
+
+def sample_text(model, enc, n_tokens, device="cpu"):
+    """n_tokens generated after <|endoftext|> (temperature 0.8, top 50), decoded; the ids of the
+    vocabulary's padding are never decoded."""
+    out = model.generate(torch.tensor([[enc.eot_token]], device=device), n_tokens, temperature=0.8, top_k=50)
+    return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])

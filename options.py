@@ -37,9 +37,10 @@ class TrainConfig:
     inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
     explain: bool = False          # run one recorded step, print what every rank computes and sends, exit (explain.py)
     profile: str = ""              # W:A: after W steps of the run, trace A steps to <out_dir>/trace/rank<N>.json
+    tensorboard: bool = False      # also write the metrics to <out_dir>/tensorboard (torch.utils.tensorboard)
     # data
     dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded), or text / JSON Lines / .gz files or a folder
-    tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's GPT-2 BPE)
+    tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's) | a tokenizer.json, .model or folder
     data_dir: str = "data"         # where prepared token files are kept
     num_proc: int = 0              # processes preparing a corpus; 0: every CPU (prepare.py)
     val_fraction: float = 0.1      # share of the documents held out (of the ~16 KiB pieces, for one text file)
@@ -75,7 +76,7 @@ class TrainConfig:
     timeout_s: int = 600           # process-group timeout
 
 
-CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "tokenizer": data.TOKENIZERS,
+CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
 FAULTS = ("kill", "nan", "kill_in_save")

@@ -35,6 +35,7 @@ import numpy as np
 
 import corpus
 import data
+from tokenizer import identity as tokenizer_identity
 
 UNIT = 16                    # pieces (256 KiB to 1 MiB): a longer document is split in units of this many
 FORMAT = 4                   # bumped when the same source would give other token files
@@ -64,13 +65,15 @@ def check_preparation(dataset, data_dir, num_proc, val_fraction):
         raise ValueError(f"num_proc={num_proc} must not be negative (0: every CPU)")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
+    if dataset != data.EMBEDDED:
+        corpus.check_packages(corpus.source_files(dataset))   # pyarrow for .parquet, zstandard for .zst
 
 
 def prepared_dir(dataset, tokenizer, data_dir):
-    """<data_dir>/<name>-<hash of its path>-<tokenizer>: one folder per source and tokenizer."""
+    """<data_dir>/<name>-<hash of its path>-<tokenizer's identity>: one folder per source and tokenizer."""
     name = data.EMBEDDED if dataset == data.EMBEDDED else \
         f"{Path(dataset).name}-{hashlib.sha1(str(Path(dataset).resolve()).encode()).hexdigest()[:8]}"
-    return Path(data_dir) / f"{name}-{tokenizer}"
+    return Path(data_dir) / f"{name}-{tokenizer_identity(tokenizer)}"
 
 
 # ------------------------------------------------------------------------ the workers' side
@@ -95,7 +98,8 @@ def _init_worker(tokenizer):
 def tokenize(task):
     """One task -> (train ids, val ids, stats). A task is (options, items), each item one of
     ("text", file, document, piece index, bytes, last piece of the document) and
-    ("jsonl", file, document, line number, line bytes, None)."""
+    ("jsonl", file, document, line number, line bytes, None) and ("row", file, document, row number,
+    its text's bytes or None where it had no text, None)."""
     (fraction, field, by_piece), items = task
     typecode = "H" if token_dtype(_enc.n_vocab) == np.uint16 else "I"
     train, val = array.array(typecode), array.array(typecode)   # 2 or 4 bytes a token, not a Python int
@@ -119,12 +123,13 @@ def tokenize(task):
             emit(doc, k, blob, last)
         else:
             try:
-                text = json.loads(blob.decode("utf-8", "boost_count"))[field]
+                text = blob.decode("utf-8", "boost_count") if kind == "row" else \
+                    json.loads(blob.decode("utf-8", "boost_count"))[field]
                 if not isinstance(text, str):
                     raise TypeError
-            except (ValueError, TypeError, KeyError, IndexError):
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):   # (a row of None: no text)
                 stats["bad_lines"] += 1
-                stats["first_bad_line"] = stats["first_bad_line"] or f"{file}:{k}"
+                stats["first_bad_line"] = stats["first_bad_line"] or f"{file}:{'row ' if kind == 'row' else ''}{k}"
                 continue
             cut, _ = corpus.pieces(text.encode("utf-8"), final=True)
             for piece_k, piece in enumerate(cut or [b""]):
@@ -225,7 +230,7 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
         finally:
             for t in tmp.values():
                 t.unlink(missing_ok=True)
-        meta.update(source=str(dataset), tokenizer=tokenizer, vocab_size=enc.n_vocab, fingerprint=fp,
+        meta.update(source=str(dataset), tokenizer=tokenizer_identity(tokenizer), tokenizer_path=tokenizer, vocab_size=enc.n_vocab, fingerprint=fp,
                     val_fraction=val_fraction, text_field=text_field)
         (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
         os.replace(out / "meta.json.tmp", out / "meta.json")
@@ -281,7 +286,7 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     if n["bad_bytes"]:
         notes.append(f"{n['bad_bytes']:,} invalid UTF-8 bytes replaced in {len(bad_files)} file(s) (first: {first['bytes']})")
     if n["bad_lines"]:
-        notes.append(f"{n['bad_lines']:,} malformed JSON lines skipped (first: {first['line']})")
+        notes.append(f"{n['bad_lines']:,} malformed JSON lines or rows without text skipped (first: {first['line']})")
     log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({mb / seconds:.1f} MB/s, {num_proc} "
         f"process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, {n['train']:,} train and {n['val']:,} "
         f"val tokens, in {out}" + "".join(f"; {x}" for x in notes))
@@ -296,7 +301,8 @@ def main(argv):
     parser = data.CommandParser(prog="prepare.py", description="Tokenise a corpus into <data_dir>/<name>-<tokenizer>/ "
                                 "(train.py does this on first use; the option names are train.py's).")
     parser.add_argument("--dataset", required=True, help="a text, .jsonl or .gz file, or a folder of them, or 'pydoc'")
-    parser.add_argument("--tokenizer", default="bytes", choices=data.TOKENIZERS)
+    parser.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, or a tokenizer.json, a SentencePiece "
+                        ".model or a folder holding one")
     parser.add_argument("--data_dir", default="data")
     parser.add_argument("--num_proc", type=int, default=0, help="worker processes (default: every CPU)")
     parser.add_argument("--val_fraction", type=float, default=0.1)

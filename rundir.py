@@ -126,15 +126,21 @@ def write_run(out_dir, run_id, argv):
 
 
 class Metrics:
-    """metrics.jsonl, appended and flushed line by line (rank 0 only; a no-op elsewhere)."""
+    """metrics.jsonl, appended and flushed line by line (rank 0 only; a no-op elsewhere); with
+    tensorboard=True every number of an iteration's record also goes to <out_dir>/tensorboard as a
+    scalar at that iteration (torch.utils.tensorboard, as torchtitan and Megatron write them)."""
 
-    def __init__(self, out_dir, active):
+    def __init__(self, out_dir, active, tensorboard=False):
         self.f = open(os.path.join(out_dir, "metrics.jsonl"), "a") if active else None
+        self.board = None
+        if active and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.board = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
     @classmethod
-    def start(cls, out_dir, active, run_id, argv, resumed_from=None, iter_num=0):
+    def start(cls, out_dir, active, run_id, argv, resumed_from=None, iter_num=0, tensorboard=False):
         """The log of a run that starts or resumes: run.json written, the first event appended."""
-        metrics = cls(out_dir, active)
+        metrics = cls(out_dir, active, tensorboard)
         if active:
             write_run(out_dir, run_id, argv)
             if resumed_from:
@@ -147,6 +153,11 @@ class Metrics:
         if self.f:
             self.f.write(json.dumps(record) + "\n")
             self.f.flush()
+        if self.board and "event" not in record:
+            for key, value in record.items():
+                if key != "iter" and isinstance(value, (int, float)):
+                    self.board.add_scalar(key, value, record["iter"])
+            self.board.flush()
 
     def event(self, name, **fields):
         self.write({"event": name, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **fields})
@@ -154,6 +165,8 @@ class Metrics:
     def close(self):
         if self.f:
             self.f.close()
+        if self.board:
+            self.board.close()
 
 
 class Interrupt:

@@ -25,7 +25,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpointing
 import data
-import interchange
 import kernels
 import options
 import parallel
@@ -33,7 +32,8 @@ import placement
 import prepare
 import rundir
 import train_state
-from model import estimate_mfu
+from model import estimate_mfu, sample_text
+from tokenizer import identity as tokenizer_identity, need
 from parallel import LEDGER
 
 
@@ -56,6 +56,8 @@ def main(argv):
         if found:  # continue the run: its recorded options, where this launch does not give them again
             cfg, tc = train_state.resume_options(argv, found, print if master else (lambda *a: None))
         cfg.vocab_size = options.vocab_size(tc.tokenizer)
+        if tc.tensorboard:
+            need("tensorboard", "--tensorboard=true")   # (one line now, not a traceback after the model is built)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp, layout = options.plan_parallel(cfg, tc, world)
         checkpointing.check_recompute(cfg, tc.recompute)
@@ -143,7 +145,7 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
         f"dp={dp} pp={tc.pp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
         (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}")
-    run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num)
+    run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num, tc.tensorboard)
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
         sample(run)
@@ -243,7 +245,9 @@ def check_finite(run, iter_num):
 
 def save_checkpoint(run, iter_num, crash=None):
     check_finite(run, iter_num)
-    meta, t = {"config": run.cfg.shape(), "train_config": asdict(run.tc), "tokenizer": run.tc.tokenizer, "run_id": run.run_id}, time.time()
+    meta = {"config": run.cfg.shape(), "train_config": asdict(run.tc), "tokenizer": run.tc.tokenizer,
+            "tokenizer_id": tokenizer_identity(run.tc.tokenizer), "run_id": run.run_id}
+    t = time.time()
     try:
         path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer, run.place.ckpt_mesh,
                                       meta, keep=run.tc.keep_checkpoints, before_publish=crash, discard=run.damaged)
@@ -368,7 +372,7 @@ def sample(run):
         return
     torch.manual_seed(tc.seed)
     with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels, each a new shape
-        run.log("sample:\n" + interchange.sample_text(run.raw_model, data.get_tokenizer(tc.tokenizer),
+        run.log("sample:\n" + sample_text(run.raw_model, data.get_tokenizer(tc.tokenizer),
                                                       tc.sample_tokens, run.place.device))
 
 

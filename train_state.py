@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import integrity
 import model as llama
+from tokenizer import identity as tokenizer_identity
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -187,7 +188,8 @@ def read_meta(path, config=(), tokenizer=None):
         meta = json.load(f)
     integrity.check_meta(path, meta)
     meta["config"] = llama.Config(**meta["config"]).shape()  # derived sizes filled in, as this run's are
-    for key, value in dict(config).items():
+    config = dict(config)
+    for key, value in config.items():
         if meta["config"].get(key) != value:
             if key == "vocab_size":
                 raise ValueError(f"checkpoint {path} was written with --tokenizer={meta.get('tokenizer')} "
@@ -195,6 +197,10 @@ def read_meta(path, config=(), tokenizer=None):
                                  f"(vocabulary {value}): pass the same tokenizer")
             raise ValueError(f"checkpoint {path} was written with {key}={meta['config'].get(key)}, "
                              f"this run has {key}={value}: pass the same model options")
+    theirs = meta.get("tokenizer_id", meta.get("tokenizer"))   # (checkpoints of bytes and gpt2 named them only)
+    if tokenizer is not None and theirs != tokenizer_identity(tokenizer):
+        raise ValueError(f"checkpoint {path} was written with the tokenizer {theirs} ({meta.get('tokenizer')}), this "
+                         f"run's --tokenizer={tokenizer} is {tokenizer_identity(tokenizer)}: pass the same tokenizer")
     return meta
 
 

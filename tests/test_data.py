@@ -104,7 +104,7 @@ def test_bad_lines_bytes_and_files_are_counted_and_named(tmp_path):
     summary = lines[-1]
     assert f"1 file(s) skipped (first: {src / 'c.bin'} (binary))" in summary
     assert f"3 invalid UTF-8 bytes replaced in 1 file(s) (first: {src / 'b.txt'})" in summary
-    assert f"4 malformed JSON lines skipped (first: {src / 'a.jsonl'}:22)" in summary
+    assert f"4 malformed JSON lines or rows without text skipped (first: {src / 'a.jsonl'}:22)" in summary
     meta = json.loads((out / "meta.json").read_text())
     assert (meta["documents"], meta["invalid_utf8_bytes"], meta["malformed_json_lines"]) == (41, 3, 4)
     ids = np.frombuffer(b"".join(tokens(out).values()), dtype=np.uint16)

@@ -75,7 +75,7 @@ def sample_ms(args):
     import kernels
     import options
     import placement
-    from interchange import sample_text
+    from model import sample_text
     cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2", "--kernels=auto"])
     cfg.vocab_size = options.vocab_size("bytes")
     dev = "cpu" if args.cpu else "cuda"

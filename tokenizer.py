@@ -1,0 +1,166 @@
+"""tokenizer.py: the tokenizers a run can use, behind one small interface.
+
+Not part of the BOOST paper (arXiv 2512.12131) itself: what its models read. CoLA trains with T5's
+32000-token SentencePiece model, BOOST's benchmarks with LLaMA's; here `--tokenizer=` is one of
+
+- `bytes`: the 256 byte values and <|endoftext|> (offline, the default), through tiktoken;
+- `gpt2`: tiktoken's GPT-2 BPE (its cache, TIKTOKEN_CACHE_DIR, or a download);
+- a path: a Hugging Face `tokenizer.json` (the `tokenizers` package), a SentencePiece `.model`
+  (`sentencepiece`), or a model folder holding either (tokenizer.json first, then tokenizer.model).
+
+Every one has encode_ordinary(text) -> ids (special tokens in the text are text), decode(ids),
+eot_token (the end-of-document id: SentencePiece's eos, a tokenizer.json's eos_token from the
+tokenizer_config.json beside it, else its first special token named like one) and n_vocab. A file's
+identity, `hf-<sha256 of the file, 12 hex>` or `spm-<...>`, names the prepared token files and is
+recorded in checkpoints, so a run never mixes two tokenizers; `bytes` and `gpt2` are their own.
+"""
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+NAMES = ("bytes", "gpt2")
+EOT = "<|endoftext|>"
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+# GPT-2's pre-tokenisation pattern; it only splits text into pieces, the ranks do the rest.
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def need(package, what):
+    """Import `package`, or a one-line ValueError naming it."""
+    import importlib
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ValueError(f"{what} needs the {package} package: pip install {package}") from None
+
+
+def locate(name):
+    """(kind, file) of a tokenizer path: ("hf", tokenizer.json) or ("spm", a .model); ValueError else."""
+    p = Path(name)
+    if p.is_dir():
+        found = [p / "tokenizer.json", p / "tokenizer.model", *sorted(p.glob("*.model"))]
+        p = next((f for f in found if f.is_file()), None)
+        if p is None:
+            raise ValueError(f"tokenizer={name} is a folder without a tokenizer.json or a SentencePiece .model")
+    elif not p.is_file():
+        raise ValueError(f"tokenizer={name} is not one of {', '.join(NAMES)}, nor a tokenizer file or folder")
+    return ("spm" if p.suffix == ".model" else "hf"), p
+
+
+def identity(name):
+    """`bytes`, `gpt2`, or the kind and a hash of the file: what token files and checkpoints record."""
+    if name in NAMES:
+        return name
+    kind, path = locate(name)
+    return f"{kind}-{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+
+
+def load(name):
+    """The tokenizer `name` names (see the module's docstring); ValueError in one line where it cannot."""
+    if name == "bytes":
+        import tiktoken
+        ranks = {bytes([i]): i for i in range(256)}
+        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 256})
+    if name == "gpt2":
+        import tiktoken
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:  # network or cache failure inside tiktoken
+            raise ValueError(f"cannot load the GPT-2 vocabulary ({type(e).__name__}); set "
+                             "TIKTOKEN_CACHE_DIR to a tiktoken cache or use --tokenizer=bytes") from None
+    kind, path = locate(name)
+    try:
+        return (SentencePiece if kind == "spm" else HuggingFace)(path)
+    except ValueError:
+        raise
+    except Exception as e:   # the library's own complaint about a damaged or foreign file
+        raise ValueError(f"cannot read the tokenizer {path} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+
+
+class HuggingFace:
+    """A tokenizer.json through the `tokenizers` package."""
+
+    def __init__(self, path):
+        self.tok = need("tokenizers", f"the tokenizer {path}").Tokenizer.from_file(str(path))
+        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
+        eos = _configured_eos(path.parent / "tokenizer_config.json")
+        special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        eos = eos or next((n for n in EOS_NAMES if n in special), None)
+        if eos is None or self.tok.token_to_id(eos) is None:
+            raise ValueError(f"cannot tell the end-of-document token of {path}: put a tokenizer_config.json "
+                             "with its eos_token beside it")
+        self.eos, self.eot_token = eos, self.tok.token_to_id(eos)
+
+    def encode_ordinary(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def _configured_eos(path):
+    if not path.is_file():
+        return None
+    eos = json.loads(path.read_text()).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+class SentencePiece:
+    """A SentencePiece .model through the `sentencepiece` package (no BOS or EOS added while encoding)."""
+
+    def __init__(self, path):
+        self.sp = need("sentencepiece", f"the tokenizer {path}").SentencePieceProcessor(model_file=str(path))
+        self.n_vocab, self.eot_token = self.sp.get_piece_size(), self.sp.eos_id()
+        if self.eot_token < 0:
+            raise ValueError(f"the SentencePiece model {path} has no eos piece to end documents with")
+        self.eos = self.sp.id_to_piece(self.eot_token)
+
+    def encode_ordinary(self, text):
+        return self.sp.encode(text)
+
+    def decode(self, ids):
+        return self.sp.decode(ids)
+
+
+def write_for_hf(name, folder):
+    """Put the tokenizer into a Hugging Face model folder, so AutoTokenizer.from_pretrained(folder)
+    (and lm_eval's hf model) needs no tokenizer argument: tokenizer.json or tokenizer.model, and a
+    tokenizer_config.json naming the class and the eos token. Nothing for bytes and gpt2 (no file)."""
+    if name in NAMES:
+        return
+    kind, path = locate(name)
+    enc = load(name)
+    if kind == "hf":
+        shutil.copyfile(path, Path(folder) / "tokenizer.json")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": enc.eos}
+    else:
+        shutil.copyfile(path, Path(folder) / "tokenizer.model")
+        sp = enc.sp
+        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": True,
+                  "eos_token": enc.eos, "unk_token": sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None,
+                  "bos_token": sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None}
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def in_folder(folder):
+    """The tokenizer file a model folder holds (written by write_for_hf, or a Hugging Face model's), or None."""
+    try:
+        return str(locate(folder)[1])
+    except ValueError:
+        return None
+
+
+def keep(name, out_dir):
+    """A copy of a tokenizer file in out_dir/tokenizer/ (an imported run keeps using it when the folder
+    it came from is gone); its new path. bytes and gpt2 are names, kept as they are."""
+    if name in NAMES:
+        return name
+    kind, path = locate(name)
+    dest = Path(out_dir) / "tokenizer"
+    dest.mkdir(parents=True, exist_ok=True)
+    for extra in ("tokenizer_config.json",) if kind == "hf" else ():
+        if (path.parent / extra).is_file():
+            shutil.copyfile(path.parent / extra, dest / extra)
+    shutil.copyfile(path, dest / path.name)
+    return str(dest / path.name)
