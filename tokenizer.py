@@ -163,4 +163,4 @@ def keep(name, out_dir):
         if (path.parent / extra).is_file():
             shutil.copyfile(path.parent / extra, dest / extra)
     shutil.copyfile(path, dest / path.name)
-    return str(dest / path.name)
+    return str((dest / path.name).resolve())   # (absolute: a resume from another folder still finds it)
