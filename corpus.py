@@ -37,11 +37,12 @@ def kind_of(path):
 
 def check_packages(files):
     """A one-line ValueError naming the package a corpus's formats need and this Python lacks."""
+    from tokenizer import need
     kinds = {kind_of(f) for f in files}
-    for needed, package in ((lambda k: k[0] == "parquet", "pyarrow"), (lambda k: k[1] == "zst", "zstandard")):
-        if any(needed(k) for k in kinds):
-            from tokenizer import need
-            need(package, f"reading the corpus's {'.parquet' if package == 'pyarrow' else '.zst'} files")
+    if any(kind == "parquet" for kind, _ in kinds):
+        need("pyarrow", "reading the corpus's .parquet files")
+    if any(packed == "zst" for _, packed in kinds):
+        need("zstandard", "reading the corpus's .zst files")
 
 
 def damaged_errors():

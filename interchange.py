@@ -37,7 +37,7 @@ import torch
 import integrity
 import model as llama
 import train_state
-from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, write_for_hf
+from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, need, write_for_hf
 
 FORMATS = ("hf", "cola")
 WEIGHTS = "model.safetensors"   # what transformers writes by default
@@ -117,12 +117,9 @@ def to_format(state, cfg, fmt, check_format=True):
 
 def _safetensors():
     """The safetensors package, or a one-line ValueError naming it."""
-    try:
-        import safetensors.torch
-        return safetensors.torch
-    except ImportError:
-        raise ValueError("this needs the safetensors package (pip install safetensors, or make test's "
-                         "requirements-dev.txt)") from None
+    need("safetensors", f"reading or writing {WEIGHTS}")
+    import safetensors.torch
+    return safetensors.torch
 
 
 def write(folder, state, cfg, fmt, tokenizer):

@@ -79,7 +79,7 @@ def chosen():
 
 
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
-_agree = []     # the process groups over which auto's times are summed before choosing (agree_over)
+_agree = []     # the process groups over which auto's times are averaged before choosing (agree_over)
 
 
 def agree_over(*groups):
@@ -107,7 +107,7 @@ def _which(op, shape_key, fn, args):
     if (op, key) not in _choices:
         if torch.compiler.is_compiling():
             return "torch"   # (timed in the eager warm-up steps, not while tracing)
-        times = _summed({name: _time(fn, args, name) for name in ("triton", "torch")}, args[0].device)
+        times = _averaged({name: _time(fn, args, name) for name in ("triton", "torch")}, args[0].device)
         _choices[(op, key)] = min(times, key=times.get)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch {times['torch']:.3f} ms: "
@@ -115,12 +115,12 @@ def _which(op, shape_key, fn, args):
     return _choices[(op, key)]
 
 
-def _summed(times, device):
+def _averaged(times, device):
     """{name: ms} averaged over the ranks of the agree_over groups (every rank the same result)."""
     if not _agree:
         return times
     t = torch.tensor([times["triton"], times["torch"]], dtype=torch.float64, device=device)
-    for group in _agree:   # TP, then DP: the sum over the stage's whole (dp, tp) slab
+    for group in _agree:   # TP, then DP: the mean over the stage's whole (dp, tp) slab
         dist.all_reduce(t, group=group)
         t /= dist.get_world_size(group)
     return dict(zip(("triton", "torch"), t.tolist()))

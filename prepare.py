@@ -230,8 +230,9 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
         finally:
             for t in tmp.values():
                 t.unlink(missing_ok=True)
-        meta.update(source=str(dataset), tokenizer=tokenizer_identity(tokenizer), tokenizer_path=tokenizer, vocab_size=enc.n_vocab, fingerprint=fp,
-                    val_fraction=val_fraction, text_field=text_field)
+        meta.update(source=str(dataset), tokenizer=tokenizer_identity(tokenizer),
+                    tokenizer_path=tokenizer, vocab_size=enc.n_vocab, fingerprint=fp, val_fraction=val_fraction,
+                    text_field=text_field)
         (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
         os.replace(out / "meta.json.tmp", out / "meta.json")
     return out

@@ -159,8 +159,8 @@ def keep(name, out_dir):
     kind, path = locate(name)
     dest = Path(out_dir) / "tokenizer"
     dest.mkdir(parents=True, exist_ok=True)
-    for extra in ("tokenizer_config.json",) if kind == "hf" else ():
-        if (path.parent / extra).is_file():
-            shutil.copyfile(path.parent / extra, dest / extra)
+    config = path.parent / "tokenizer_config.json"   # (where a tokenizer.json's eos_token is named)
+    if kind == "hf" and config.is_file():
+        shutil.copyfile(config, dest / config.name)
     shutil.copyfile(path, dest / path.name)
     return str((dest / path.name).resolve())   # (absolute: a resume from another folder still finds it)

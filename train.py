@@ -168,6 +168,7 @@ class Run:
         self.autocast = nullcontext() if self.dtype == "float32" else \
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
         self.nonfinite = torch.tensor(-1, device=place.device)  # the first iteration whose gradient was not finite
+        self.tokenizer_id = tokenizer_identity(tc.tokenizer)     # (once: what the run's data was prepared with)
         if tc.pp > 1:
             self.pipe = parallel.Pipeline(raw_model, place.mesh, self.micro_steps, tc.pp_schedule, place.device)
         elif place.dp > 1:
@@ -246,7 +247,7 @@ def check_finite(run, iter_num):
 def save_checkpoint(run, iter_num, crash=None):
     check_finite(run, iter_num)
     meta = {"config": run.cfg.shape(), "train_config": asdict(run.tc), "tokenizer": run.tc.tokenizer,
-            "tokenizer_id": tokenizer_identity(run.tc.tokenizer), "run_id": run.run_id}
+            "tokenizer_id": run.tokenizer_id, "run_id": run.run_id}
     t = time.time()
     try:
         path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer, run.place.ckpt_mesh,

@@ -188,8 +188,7 @@ def read_meta(path, config=(), tokenizer=None):
         meta = json.load(f)
     integrity.check_meta(path, meta)
     meta["config"] = llama.Config(**meta["config"]).shape()  # derived sizes filled in, as this run's are
-    config = dict(config)
-    for key, value in config.items():
+    for key, value in dict(config).items():
         if meta["config"].get(key) != value:
             if key == "vocab_size":
                 raise ValueError(f"checkpoint {path} was written with --tokenizer={meta.get('tokenizer')} "
@@ -198,9 +197,10 @@ def read_meta(path, config=(), tokenizer=None):
             raise ValueError(f"checkpoint {path} was written with {key}={meta['config'].get(key)}, "
                              f"this run has {key}={value}: pass the same model options")
     theirs = meta.get("tokenizer_id", meta.get("tokenizer"))   # (checkpoints of bytes and gpt2 named them only)
-    if tokenizer is not None and theirs != tokenizer_identity(tokenizer):
+    mine = tokenizer_identity(tokenizer) if tokenizer is not None else None
+    if mine is not None and theirs != mine:
         raise ValueError(f"checkpoint {path} was written with the tokenizer {theirs} ({meta.get('tokenizer')}), this "
-                         f"run's --tokenizer={tokenizer} is {tokenizer_identity(tokenizer)}: pass the same tokenizer")
+                         f"run's --tokenizer={tokenizer} is {mine}: pass the same tokenizer")
     return meta
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernels
+from gpu_check_kernels import outputs_and_grads   # (tools/: the GPU check compares through it too)
 from conftest import ROOT, TINY, losses, torchrun
 
 
@@ -21,22 +22,12 @@ KERNEL_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rto
 
 def triton_and_ref(fn, inputs, upstream):
     """Outputs and input gradients of fn under the Triton and the reference backend."""
-    results = []
-    for backend in ("triton", "torch"):
-        with kernels.using(backend):
-            leaves = [t.detach().clone().requires_grad_() for t in inputs]
-            outs = fn(*leaves)
-            torch.autograd.backward(outs, upstream)
-            results.append(([o.detach().float() for o in outs], [t.grad.float() for t in leaves]))
-    return results
+    return [outputs_and_grads(fn, inputs, upstream, backend) for backend in ("triton", "torch")]
 
 
 def ref_in_fp32(fn, inputs, upstream):
     """The reference computed in fp32 from the same (rounded) inputs."""
-    leaves = [t.detach().float().requires_grad_() for t in inputs]
-    outs = fn(*leaves)
-    torch.autograd.backward(outs, [u.float() for u in upstream])
-    return [o.detach() for o in outs], [t.grad for t in leaves]
+    return outputs_and_grads(fn, [t.float() for t in inputs], upstream, "torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

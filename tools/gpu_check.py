@@ -21,6 +21,7 @@ run; one summary at the end, and a JSON file of it. The steps:
 import argparse
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,6 @@ def run_step(cmd, timeout, log, env=None):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     result, deadline = None, time.time() + timeout
-    import selectors
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     while time.time() < deadline:

@@ -26,6 +26,19 @@ FN = {"norm_down": lambda x, g, A: list(kernels.norm_down(x, g, A)),
       "rms_norm": lambda x, g: [kernels.rms_norm(x, g, 1e-6)]}
 
 
+def outputs_and_grads(fn, inputs, upstream, impl):
+    """fn's outputs and its inputs' gradients, in fp32, under implementation `impl` ("triton" or
+    "torch", forward and backward), on fresh leaves of `inputs`, backward from `upstream`: a list of
+    tensors, or a function of the outputs giving them; each is cast to its output's dtype. (The
+    kernel tests in tests/test_kernels.py compare through it too.)"""
+    with kernels.using(impl):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        outs = fn(*leaves)
+        grads = upstream(outs) if callable(upstream) else upstream
+        torch.autograd.backward(outs, [u.to(o.dtype) for u, o in zip(grads, outs)])
+    return [o.detach().float() for o in outs], [t.grad.float() for t in leaves]
+
+
 def compare(op, shapes, dtype, device, seed=0):
     """(output error, gradient error) of the Triton path against the fp32 reference on the same inputs."""
     g = torch.Generator().manual_seed(seed)
@@ -34,12 +47,9 @@ def compare(op, shapes, dtype, device, seed=0):
         base[1] = 1 + base[1].abs()   # a gain
     got = {}
     for impl, dt in (("triton", dtype), ("torch", torch.float32)):
-        inputs = [b.to(dtype).to(device=device, dtype=dt).requires_grad_() for b in base]
-        with kernels.using(impl):
-            outs = FN[op](*inputs)
         up = torch.Generator().manual_seed(seed + 1)
-        torch.autograd.backward(outs, [torch.randn(o.shape, generator=up).to(device, o.dtype) for o in outs])
-        got[impl] = [o.detach().float() for o in outs], [i.grad.float() for i in inputs]
+        got[impl] = outputs_and_grads(FN[op], [b.to(dtype).to(device=device, dtype=dt) for b in base],
+                                      lambda outs: [torch.randn(o.shape, generator=up).to(device) for o in outs], impl)
 
     def err(pairs):
         return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in pairs)

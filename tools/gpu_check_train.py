@@ -44,8 +44,8 @@ def launch(name, extra, args, data_dir):
     cmd = [sys.executable, str(ROOT / "train.py"), f"--out_dir={Path(args.out) / name}", f"--data_dir={data_dir}",
            "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
            f"--device={'cpu' if args.cpu else 'cuda'}", *(CPU if args.cpu else GPU), *extra]
-    log = open(Path(args.out) / f"{name}.log", "a")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), time.time()
+    with open(Path(args.out) / f"{name}.log", "a") as log:   # (the child keeps its own copy of the handle)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), time.time()
 
 
 def finish(name, proc_t0, args):
