@@ -30,83 +30,111 @@ attention and rm for the MLP):
                                                   so recompute replays them (the paper's point)
 With `layer`: d/t·e (btp) or d·e (one device, vanilla, megatron) per token per layer.
 
+Under LaX (lax.py) every segment also takes the previous layer's latents h_prev of its
+projections and returns this layer's, whole (replicated under btp, gathered under vanilla): in
+every row above, with `lowrank` and with `layer` alike, each layer keeps (4·ra + 3·rm)·e more.
+
 (Training-state checkpoints, the files a run saves and resumes from, are train_state.py.)
 """
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import model as llama
+from lax import cross_group
 
 RECOMPUTE = ("none", "layer", "lowrank")
 
 
 class OneDeviceChunks:
-    """model.Block (arch svd or cola) seen as the same chunks; its latents are A·x, no collectives."""
+    """model.Block (arch svd or cola) seen as the same chunks; its latents are A·x, no collectives.
+    Each chunk that applies σ takes the previous layer's latents of its projections, p (LaX; None
+    without), and returns its own, h, beside its result."""
 
     def __init__(self, block):
         self.b, self.cfg = block, block.attn.cfg
-        self.act = llama.latent_act(self.cfg.arch)
+        self.act, self.lax = llama.latent_act(self.cfg.arch), self.cfg.lax
 
     def reduce(self, partial):
         return partial
+
+    def emit(self, z, p, projections):
+        """The latent h = σ(z), or σ(LayerNorm(z + G(p))) where the layer crosses (LaX): (h for the
+        Bs, h for the next layer under LaX, else None)."""
+        if projections[0].cross is not None:
+            z = cross_group([q.cross for q in projections], z, p)
+        h = self.act(z)
+        return h, (h if self.lax else None)
 
     def qkv_down(self, x):
         a, h = self.b.attn, self.b.attn_norm(x)                            # (b, s, d)
         return torch.cat([a.q.A(h), a.k.A(h), a.v.A(h)], -1)               # (b, s, 3r)
 
-    def attn_chunk(self, z, cos, sin):
+    def attn_chunk(self, z, cos, sin, p=None):
         a, cfg = self.b.attn, self.cfg
-        zq, zk, zv = self.act(z).split(cfg.attn_rank, -1)
-        y = llama.causal_attention(a.q.B(zq), a.k.B(zk), a.v.B(zv), cfg.n_head, cfg.n_kv_head, cos, sin)
-        return a.o.A(y)                                                    # (b, s, r)
+        h, out = self.emit(z, p, [a.q, a.k, a.v])                          # (b, s, 3r)
+        hq, hk, hv = h.split(cfg.attn_rank, -1)
+        y = llama.causal_attention(a.q.B(hq), a.k.B(hk), a.v.B(hv), cfg.n_head, cfg.n_kv_head, cos, sin)
+        return a.o.A(y), out                                               # (b, s, r), (b, s, 3r)
 
-    def o_chunk(self, u, x):
-        x = x + self.b.attn.o.B(self.act(u))                              # (b, s, d)
-        m, h = self.b.mlp, self.b.mlp_norm(x)
-        return x, torch.cat([m.gate.A(h), m.up.A(h)], -1)                  # (b, s, 2r)
+    def o_chunk(self, u, x, p=None):
+        h, out = self.emit(u, p, [self.b.attn.o])                          # (b, s, r)
+        x = x + self.b.attn.o.B(h)                                         # (b, s, d)
+        m, n = self.b.mlp, self.b.mlp_norm(x)
+        return x, torch.cat([m.gate.A(n), m.up.A(n)], -1), out             # (b, s, 2r)
 
-    def mlp_chunk(self, z):
+    def mlp_chunk(self, z, p=None):
         m = self.b.mlp
-        zg, zu = self.act(z).split(self.cfg.mlp_rank, -1)
-        return m.down.A(llama.gated_product(self.cfg.mlp_gate, m.gate.B(zg), m.up.B(zu)))  # (b, s, r)
+        h, out = self.emit(z, p, [m.gate, m.up])                           # (b, s, 2r)
+        hg, hu = h.split(self.cfg.mlp_rank, -1)
+        return m.down.A(llama.gated_product(self.cfg.mlp_gate, m.gate.B(hg), m.up.B(hu))), out  # (b, s, r)
 
-    def down_chunk(self, u, x):
-        return x + self.b.mlp.down.B(self.act(u))                         # (b, s, d)
+    def down_chunk(self, u, x, p=None):
+        h, out = self.emit(u, p, [self.b.mlp.down])                        # (b, s, r)
+        return x + self.b.mlp.down.B(h), out                               # (b, s, d)
 
 
 def _segment(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 
 
+def _whole_layer(layer):
+    """A layer as a segment whose tensors are all its arguments: x, cos, sin, then the latents."""
+    return lambda x, cos, sin, *lat: layer(x, cos, sin, tuple(lat) or None)
+
+
 def _down_then_next(block, nxt):
     """The segment that crosses a layer boundary: B_down, the residual add, the next A_qkv partial."""
-    def fn(u, x):
-        x = block.down_chunk(u, x)
-        return x, nxt.qkv_down(x)
+    def fn(u, x, p):
+        x, h = block.down_chunk(u, x, p)
+        return x, h, nxt.qkv_down(x)
     return fn
 
 
-def run_layers(layers, x, cos, sin, recompute):
-    """Run the decoder layers on x with the chosen activation checkpointing."""
+def run_layers(layers, x, cos, sin, recompute, lat=None):
+    """Run the decoder layers on x with the chosen activation checkpointing: (x, the last layer's
+    latents under LaX, else None); `lat` holds the latents of the layer before the first (a pipeline
+    stage's input). Each layer is called as layer(x, cos, sin, lat) -> (x, lat)."""
     if recompute == "none":
         for layer in layers:
-            x = layer(x, cos, sin)
-        return x
+            x, lat = layer(x, cos, sin, lat)
+        return x, lat
     if recompute == "layer":
-        for layer in layers:
-            x = _segment(layer, x, cos, sin)
-        return x
+        for layer in layers:   # (the latents as arguments of their own: checkpoint keeps those it is given)
+            x, lat = _segment(_whole_layer(layer), x, cos, sin, *(lat or ()))
+        return x, lat
     blocks = [OneDeviceChunks(b) if isinstance(b, llama.Block) else b for b in layers]
+    p = lat or (None,) * 4                      # the latents of q|k|v, o, gate|up, down (LaX)
     partial = _segment(blocks[0].qkv_down, x)
     for i, b in enumerate(blocks):
-        u = b.reduce(_segment(b.attn_chunk, b.reduce(partial), cos, sin))
-        x, partial = _segment(b.o_chunk, u, x)
-        u = b.reduce(_segment(b.mlp_chunk, b.reduce(partial)))
+        partial, h_qkv = _segment(b.attn_chunk, b.reduce(partial), cos, sin, p[0])
+        x, partial, h_o = _segment(b.o_chunk, b.reduce(partial), x, p[1])
+        partial, h_gu = _segment(b.mlp_chunk, b.reduce(partial), p[2])
         if i + 1 < len(blocks):
-            x, partial = _segment(_down_then_next(b, blocks[i + 1]), u, x)
+            x, h_down, partial = _segment(_down_then_next(b, blocks[i + 1]), b.reduce(partial), x, p[3])
         else:
-            x = _segment(b.down_chunk, u, x)
-    return x
+            x, h_down = _segment(b.down_chunk, b.reduce(partial), x, p[3])
+        p = (h_qkv, h_o, h_gu, h_down)
+    return x, (p if blocks[0].lax else None)
 
 
 def check_recompute(cfg, recompute):

@@ -46,6 +46,10 @@ PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n) fo
 
 def check(cfg, fmt):
     """ValueError naming what `fmt` cannot represent of this model."""
+    if getattr(cfg, "lax", False) and fmt in FORMATS:
+        raise ValueError(f"a LaX model's latents cross between layers (a gate and a LayerNorm per projection), "
+                         f"which the {'Hugging Face Llama' if fmt == 'hf' else 'CoLA'} format cannot hold: "
+                         "use --format=pt")
     if fmt == "hf":
         if cfg.arch == "cola":
             raise ValueError("a cola model has σ = SiLU inside every projection, which Llama has not: "

@@ -15,23 +15,28 @@ width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
             down-projections sharing an input are one GEMM, the up-projections one grouped GEMM.
             Forward: (3r + 1) + r + (2r + 1) + r; backward 3r + r + 2r + r.
 
+Under LaX (lax.py) btp's latents are whole after their all-reduce, so the crossing, its LayerNorm
+over r and its gate run locally: no collective more. vanilla holds r/t slices, so each crossing
+layer all-gathers its latents (forward 4·ra + 3·rm; backward an all-reduce of the same, entering
+the row-parallel Bs); layer 0 gathers its latents for layer 1 and all-reduces nothing more.
+
 Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
-`Spec` of each parameter) and is tested against it: same loss, same gradients.
+`Spec` of each parameter, sharding.py) and is tested against it: same loss, same gradients.
 """
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+import lax
 from checkpointing import run_layers
 from model import Llama, causal_attention, gated_product, latent_act
-from parallel import (Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
+from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
 from rundir import traced   # a chunk as one labelled range in --profile's traces
+from sharding import Sharded
 
 LAYOUTS = ("btp", "vanilla", "megatron")
 
@@ -71,38 +76,9 @@ def per_layer_traffic(layout, cfg):
     if layout == "btp":      # q/k/v latents + Σx², o, gate/up + Σx², down; backward their gradients
         return Traffic((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm, 4 + 4)
     if layout == "vanilla":  # every B's whole output; backward every A's input gradient
-        return Traffic(d + 2 * kv + d + 2 * f + d, 3 * d + d + 2 * d + f, 7 + 7)
+        lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0   # LaX: a crossing layer's latents
+        return Traffic(d + 2 * kv + d + 2 * f + d + lx, 3 * d + d + 2 * d + f + lx, 7 + 7 + (8 if lx else 0))
     return Traffic(2 * d, 2 * d, 2 + 2)   # megatron: after attention and after the MLP
-
-
-@dataclass
-class Spec:
-    """How a local parameter derives from the full model's: the full parameters `pieces`, each
-    split into t chunks along `dim` (None: replicated), this rank's chunks concatenated on dim 0
-    (`rows` of each in the local parameter)."""
-    pieces: list
-    dim: object
-    rows: list
-
-
-def cut_local(full, spec, tp):
-    """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
-    parts = [full[name] if spec.dim is None else full[name].chunk(tp.size, spec.dim)[tp.tp_rank] for name in spec.pieces]
-    return torch.cat(parts, 0)
-
-
-class Sharded(nn.Module):
-    """A module whose parameters are cut from the full model's state `full` by their Specs."""
-
-    def __init__(self, tp, full):
-        super().__init__()
-        self.tp, self._full, self.specs = tp, full, {}
-
-    def shard(self, name, pieces, dim):
-        full_rows = [self._full[piece].shape[0] for piece in pieces]
-        spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
-        self.register_parameter(name, nn.Parameter(cut_local(self._full, spec, self.tp).clone()))
-        self.specs[name] = spec
 
 
 class BTPBlock(Sharded):
@@ -123,15 +99,19 @@ class BTPBlock(Sharded):
         self.shard("B_up", [prefix + "mlp.up.B.weight"], 0)
         self.shard("A_down", [prefix + "mlp.down.A.weight"], 1)                 # (r, f/t)
         self.shard("B_down", [prefix + "mlp.down.B.weight"], 0)                 # (d/t, r)
+        self.shard_crossings(cfg, prefix)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, prev=None):
         """One layer: five chunks, and between them the layer's only four collectives, each an
-        all-reduce of an r-wide latent (checkpointing.run_layers runs the same chunks with recompute)."""
-        HS = self.reduce(self.qkv_down(x))               # (b, s, 3r+1) q, k, v latents + Σx²
-        u = self.reduce(self.attn_chunk(HS, cos, sin))   # (b, s, r)    the o latent
-        x, HS = self.o_chunk(u, x)                       # (b, s, d/t), (b, s, 2r+1) partial
-        u = self.reduce(self.mlp_chunk(self.reduce(HS)))  # (b, s, r)   the down latent
-        return self.down_chunk(u, x)                     # (b, s, d/t)
+        all-reduce of an r-wide latent (checkpointing.run_layers runs the same chunks with recompute).
+        prev, and what it returns beside x under LaX: the latents of q|k|v, o, gate|up, down."""
+        p = prev or (None,) * 4
+        HS = self.reduce(self.qkv_down(x))                          # (b, s, 3r+1) q, k, v latents + Σx²
+        partial, h_qkv = self.attn_chunk(HS, cos, sin, p[0])
+        x, HS, h_o = self.o_chunk(self.reduce(partial), x, p[1])    # (b, s, d/t), (b, s, 2r+1) partial
+        partial, h_gu = self.mlp_chunk(self.reduce(HS), p[2])
+        x, h_down = self.down_chunk(self.reduce(partial), x, p[3])  # (b, s, d/t)
+        return x, ((h_qkv, h_o, h_gu, h_down) if self.lax else None)
 
     # The chunks. Each starts from a replicated latent after its all-reduce and ends with the local
     # partial product of the next A, before its all-reduce; so recomputing one issues no collective.
@@ -147,9 +127,14 @@ class BTPBlock(Sharded):
         return Reduce.apply(partial, self.tp.group)
 
     def latent(self, HS):
-        """σ(RMSNorm(x)·Aᵀ) from the all-reduced [H | S], replicated."""
-        z = HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps)
-        return self.act(z)                                                       # (b, s, n)
+        """RMSNorm(x)·Aᵀ from the all-reduced [H | S], replicated (σ comes in `emit`)."""
+        return HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps)  # (b, s, n)
+
+    def emit(self, z, p, group):
+        """(h for the Bs, h for the next layer under LaX, else None): σ(z), or under LaX from layer 1
+        on σ(LayerNorm(z + G(p))); z is whole here, so the crossing is local."""
+        h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, z, p) if self.crosses else z)
+        return h, (h if self.lax else None)
 
     def up(self, z, Bs):
         """The column-parallel up-projections of the replicated latent z's groups, one grouped GEMM
@@ -161,28 +146,30 @@ class BTPBlock(Sharded):
         return self.norm_down(x, self.attn_norm, self.A_qkv)                    # (b, s, 3r+1) partial
 
     @traced
-    def attn_chunk(self, HS, cos, sin):
+    def attn_chunk(self, HS, cos, sin, p=None):
         cfg, t = self.cfg, self.tp.size
-        z = self.latent(HS)                                                      # (b, s, 3r)
-        q, k, v = self.up(z, [self.B_q, self.B_k, self.B_v])
+        h, out = self.emit(self.latent(HS), p, "qkv")                           # (b, s, 3r)
+        q, k, v = self.up(h, [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
-        return y @ self.A_o.t()                                                  # (b, s, r) partial
+        return y @ self.A_o.t(), out                                             # (b, s, r) partial
 
     @traced
-    def o_chunk(self, u, x):
-        x = x + self.up(self.act(u), [self.B_o])[0]                              # (b, s, d/t)
-        return x, self.norm_down(x, self.mlp_norm, self.A_gu)                   # (b, s, 2r+1) partial
+    def o_chunk(self, u, x, p=None):
+        h, out = self.emit(u, p, "o")                                            # (b, s, r)
+        x = x + self.up(h, [self.B_o])[0]                                        # (b, s, d/t)
+        return x, self.norm_down(x, self.mlp_norm, self.A_gu), out              # (b, s, 2r+1) partial
 
     @traced
-    def mlp_chunk(self, HS):
-        z = self.latent(HS)                                                      # (b, s, 2r)
-        gate, up = self.up(z, [self.B_gate, self.B_up])
-        h = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
-        return h @ self.A_down.t()                                               # (b, s, r) partial
+    def mlp_chunk(self, HS, p=None):
+        h, out = self.emit(self.latent(HS), p, "gu")                            # (b, s, 2r)
+        gate, up = self.up(h, [self.B_gate, self.B_up])
+        a = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
+        return a @ self.A_down.t(), out                                          # (b, s, r) partial
 
     @traced
-    def down_chunk(self, u, x):
-        return x + self.up(self.act(u), [self.B_down])[0]                        # (b, s, d/t)
+    def down_chunk(self, u, x, p=None):
+        h, out = self.emit(u, p, "down")                                         # (b, s, r)
+        return x + self.up(h, [self.B_down])[0], out                             # (b, s, d/t)
 
 
 class VanillaBlock(Sharded):
@@ -197,26 +184,43 @@ class VanillaBlock(Sharded):
             key = name.replace(".", "_")
             self.shard(f"{key}_A", [prefix + name + ".A.weight"], 0)    # (r/t, d_in)
             self.shard(f"{key}_B", [prefix + name + ".B.weight"], 1)    # (d_out, r/t)
+        self.shard_crossings(cfg, prefix)
 
-    def forward(self, x, cos, sin):
-        """One layer: BTP's chunks, but the latents are local r/t slices and each of the seven B's
-        ends in an all-reduce of its whole output (d, kv or f wide) inside its chunk."""
-        z = self.attn_chunk(self.qkv_down(x), cos, sin)  # (b, s, r/t) the o latent slice
-        x, z = self.o_chunk(z, x)                        # (b, s, d), (b, s, 2r/t)
-        return self.down_chunk(self.mlp_chunk(z), x)     # (b, s, d)
+    # One layer: BTP's chunks, but the latents are local r/t slices (reduce: nothing to sum) and each
+    # of the seven B's ends in an all-reduce of its whole output (d, kv or f wide) inside its chunk.
+    forward = BTPBlock.forward
 
     # The chunks, with BTP's boundaries (checkpointing.run_layers recomputes them one by one).
     def reduce(self, partial):
         return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
+
+    def emit(self, z, p, group):
+        """(h for the row-parallel Bs: this rank's r/t slices, h for the next layer). Without LaX σ(z)
+        and nothing. LaX's crossing reads whole latents: a crossing layer all-gathers z (backward:
+        its slice of the whole gradient), crosses it on every rank alike, and hands its slices to the
+        Bs through Copy (backward: the all-reduce that makes the Bs' slice gradients whole); layer 0
+        gathers σ(z) for layer 1. The whole latent goes on to the next layer."""
+        if not self.lax:
+            return self.act(z), None
+        G, t, i = len(lax.GROUPS[group]), self.tp.size, self.tp.tp_rank
+
+        def whole(slices):   # (b, s, G·r/t) on each rank -> (b, s, G·r), projection by projection
+            return Gather.apply(slices, self.tp.group).unflatten(-1, (t, G, -1)).transpose(-3, -2).flatten(-3)
+        if not self.crosses:
+            h = self.act(z)                                                       # (b, s, G·r/t)
+            return h, whole(h)
+        h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, whole(z), p))  # (b, s, G·r)
+        mine = Copy.apply(h, self.tp.group).unflatten(-1, (G, t, -1))[..., i, :].flatten(-2)
+        return mine, h                                                            # (b, s, G·r/t), (b, s, G·r)
 
     def down(self, h, *keys):
         """Each column-parallel A after its own Copy (one backward all-reduce per A, as in the
         paper's vanilla TP): this rank's r/t latent slices, concatenated."""
         return torch.cat([column_parallel(h, [getattr(self, k + "_A")], self.tp)[0] for k in keys], -1)
 
-    def up(self, z, key):
-        """σ, row-parallel B, all-reduce of the full d_out."""
-        return Reduce.apply(self.act(z) @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
+    def up(self, h, key):
+        """The row-parallel B of a latent slice h, all-reduce of the full d_out."""
+        return Reduce.apply(h @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
 
     @traced
     def qkv_down(self, x):
@@ -224,28 +228,32 @@ class VanillaBlock(Sharded):
         return self.down(h, "attn_q", "attn_k", "attn_v")                         # (b, s, 3r/t)
 
     @traced
-    def attn_chunk(self, z, cos, sin):
+    def attn_chunk(self, z, cos, sin, p=None):
         cfg = self.cfg
-        zq, zk, zv = z.split(cfg.attn_rank // self.tp.size, -1)
-        y = causal_attention(self.up(zq, "attn_q"), self.up(zk, "attn_k"), self.up(zv, "attn_v"),
+        h, out = self.emit(z, p, "qkv")                                           # (b, s, 3r/t)
+        hq, hk, hv = h.split(cfg.attn_rank // self.tp.size, -1)
+        y = causal_attention(self.up(hq, "attn_q"), self.up(hk, "attn_k"), self.up(hv, "attn_v"),
                              cfg.n_head, cfg.n_kv_head, cos, sin)                 # all heads, (b, s, d)
-        return self.down(y, "attn_o")                                             # (b, s, r/t)
+        return self.down(y, "attn_o"), out                                        # (b, s, r/t)
 
     @traced
-    def o_chunk(self, u, x):
-        x = x + self.up(u, "attn_o")                                              # (b, s, d)
-        h = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
-        return x, self.down(h, "mlp_gate", "mlp_up")                              # (b, s, 2r/t)
+    def o_chunk(self, u, x, p=None):
+        h, out = self.emit(u, p, "o")
+        x = x + self.up(h, "attn_o")                                              # (b, s, d)
+        n = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
+        return x, self.down(n, "mlp_gate", "mlp_up"), out                         # (b, s, 2r/t)
 
     @traced
-    def mlp_chunk(self, z):
-        zg, zu = z.split(self.cfg.mlp_rank // self.tp.size, -1)
-        a = gated_product(self.cfg.mlp_gate, self.up(zg, "mlp_gate"), self.up(zu, "mlp_up"))  # (b, s, f)
-        return self.down(a, "mlp_down")                                           # (b, s, r/t)
+    def mlp_chunk(self, z, p=None):
+        h, out = self.emit(z, p, "gu")                                            # (b, s, 2r/t)
+        hg, hu = h.split(self.cfg.mlp_rank // self.tp.size, -1)
+        a = gated_product(self.cfg.mlp_gate, self.up(hg, "mlp_gate"), self.up(hu, "mlp_up"))  # (b, s, f)
+        return self.down(a, "mlp_down"), out                                      # (b, s, r/t)
 
     @traced
-    def down_chunk(self, u, x):
-        return x + self.up(u, "mlp_down")                                         # (b, s, d)
+    def down_chunk(self, u, x, p=None):
+        h, out = self.emit(u, p, "down")
+        return x + self.up(h, "mlp_down"), out                                    # (b, s, d)
 
 
 class MegatronBlock(Sharded):
@@ -264,7 +272,8 @@ class MegatronBlock(Sharded):
         self.shard("W_down", [prefix + "mlp.down.weight"], 1)            # (d, f/t)
 
     @traced
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, prev=None):
+        """(x, None): a dense layer has no latents (prev is always None)."""
         cfg, t, g = self.cfg, self.tp.size, self.tp.group
         h = kernels.rms_norm(x, self.attn_norm, cfg.norm_eps)                         # (b, s, d)
         q, k, v = column_parallel(h, [self.W_q, self.W_k, self.W_v], self.tp)         # Copy, GEMMs
@@ -272,7 +281,7 @@ class MegatronBlock(Sharded):
         x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
         h = kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps)
         a = gated_product(cfg.mlp_gate, *column_parallel(h, [self.W_gate, self.W_up], self.tp))  # (b, s, f/t)
-        return x + Reduce.apply(a @ self.W_down.t(), g)                               # (b, s, d)
+        return x + Reduce.apply(a @ self.W_down.t(), g), None                         # (b, s, d)
 
 
 BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
@@ -335,10 +344,12 @@ class TPLlama(Sharded):
     def forward(self, x, targets=None):
         g = self.tp.group
         if self.first:
-            x = F.embedding(x, self.embedding())                    # (b, s, d/t) btp, else (b, s, d)
-        x = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
+            x, lat = F.embedding(x, self.embedding()), None         # (b, s, d/t) btp, else (b, s, d)
+        else:
+            x, lat = self.unpack(x)                                 # from the previous pipeline stage
+        x, lat = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute, lat)
         if not self.last:
-            return x                                                # to the next pipeline stage
+            return torch.cat([x, *lat], -1) if lat else x          # to the next pipeline stage
         if self.layout == "btp":
             x = Gather.apply(x, g)                                  # (b, s, d)
         x = kernels.rms_norm(x, self.norm, self.cfg.norm_eps)      # (b, s, d)
@@ -351,45 +362,14 @@ class TPLlama(Sharded):
         loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
         return logits, loss
 
-    def named_specs(self):
-        """(local parameter name, Spec) for every parameter."""
-        for prefix, m in self.named_modules():
-            for name, spec in getattr(m, "specs", {}).items():
-                yield (f"{prefix}.{name}" if prefix else name), spec
-
-    def full_tensors(self, grads=False):
-        """The single-device model's parameters (or gradients), gathered over TP: {name: tensor}."""
-        return self.unshard({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
-
-    def unshard(self, local):
-        """{local name: tensor shaped like that parameter} -> {full-model name: full tensor}.
-        A collective over the TP group: every TP rank must call it."""
-        out = {}
-        for name, spec in self.named_specs():
-            local_t = local[name]
-            if spec.dim is None or self.tp.size == 1:
-                shards = [local_t] * self.tp.size
-            else:
-                shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
-                dist.all_gather(shards, local_t.contiguous(), group=self.tp.group)
-            for piece, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
-                out[piece] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
-        return out
+    def unpack(self, x):
+        """A stage's input: the residual stream and, under LaX, the previous layer's latents of
+        q|k|v, o, gate|up, down, whole, riding beside it in one tensor (b, s, d_local + 4ra + 3rm)."""
+        if not self.cfg.lax:
+            return x, None
+        c = self.cfg
+        x, *lat = x.split([x.shape[-1] - 4 * c.attn_rank - 3 * c.mlp_rank, 3 * c.attn_rank, c.attn_rank,
+                           2 * c.mlp_rank, c.mlp_rank], -1)
+        return x, lat
 
     generate = Llama.generate
-
-    def grad_norm_sq(self):
-        """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""
-        params = dict(self.named_parameters())
-        sharded = replicated = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
-        for name, spec in self.named_specs():
-            g = params[name].grad
-            if g is None or (name == "tok_emb" and self.tied and not self.first):
-                continue  # (the tied embedding of the last stage is the first stage's: counted there)
-            if spec.dim is None:
-                replicated = replicated + g.double().pow(2).sum()
-            else:
-                sharded = sharded + g.double().pow(2).sum()
-        if self.tp.size > 1:
-            dist.all_reduce(sharded, group=self.tp.group)
-        return sharded + replicated

@@ -9,6 +9,15 @@ with σ = SiLU (`arch=cola`) or the identity (`arch=svd`, a plain factorised W =
 the dense Llama baseline. Embedding and LM head stay dense. This file is the single-device
 reference: layouts.py shards exactly these weights and is tested against this forward pass.
 
+`lax=true` adds LaX's latent crossing (arXiv 2505.21732; BOOST evaluates it beside SVD and CoLA):
+from layer 1 on, each bottleneck's latent also reads the same projection's latent h of the layer
+before (after its σ), through a gate G, and is normalised over r:
+
+    h = σ(LayerNorm_r(A·x + G(h_prev)))        y = B · h
+
+G (`lax_gate`) is `kron` (r = r1·r2, the most balanced pair: G(h) = vec(Dᵀ·mat(h)·E), D (r1, r1) and
+E (r2, r2)), `linear` (a dense r×r layer with bias) or `identity`. Layer 0 only emits its latents.
+
 Notation in shape comments: b batch, s sequence, d n_embd, r bottleneck rank, h heads, hd head dim.
 """
 import math
@@ -18,8 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lax import LAX_GATES, Crossing   # LaX's gate and LayerNorm (a file of its own)
+
 ARCHS = ("full", "svd", "cola")
 GATES = ("silu", "none")
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")   # a layer's latents, in this order
 
 
 @dataclass
@@ -38,6 +50,8 @@ class Config:
     norm_eps: float = 1e-5
     mlp_gate: str = "auto"   # auto (silu for full and svd, none for cola) | silu: down(silu(gate)·up) | none: down(gate·up)
     tie_embeddings: bool = False  # one matrix for the token embedding and the LM head
+    lax: bool = False        # LaX's latent crossing between consecutive layers' bottlenecks
+    lax_gate: str = "kron"   # kron | linear | identity: the gate G on the previous layer's latent
 
     def __post_init__(self):
         """Fill the 0 = automatic fields, then reject shapes that cannot be built (ValueError)."""
@@ -51,6 +65,10 @@ class Config:
             self.mlp_gate = "none" if self.arch == "cola" else "silu"
         if self.mlp_gate not in GATES:
             raise ValueError(f"mlp_gate={self.mlp_gate} is not one of auto, {', '.join(GATES)}")
+        if self.lax_gate not in LAX_GATES:
+            raise ValueError(f"lax_gate={self.lax_gate} is not one of {', '.join(LAX_GATES)}")
+        if self.lax and self.arch == "full":
+            raise ValueError("lax=true crosses bottleneck latents: it needs arch=cola or arch=svd")
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_width", "block_size",
                      "vocab_size", "attn_rank", "mlp_rank"):
             if getattr(self, name) < 1:
@@ -98,9 +116,10 @@ def cola_std(d_in, d_out, r):
 
 
 class Bottleneck(nn.Module):
-    """y = B·σ(A·x), weights in nn.Linear layout: A.weight (r, d_in), B.weight (d_out, r)."""
+    """y = B·σ(A·x), weights in nn.Linear layout: A.weight (r, d_in), B.weight (d_out, r); under LaX
+    with `cross` (the gate) y = B·σ(LayerNorm(A·x + G(h_prev)))."""
 
-    def __init__(self, d_in, d_out, r, arch):
+    def __init__(self, d_in, d_out, r, arch, cross=None):
         super().__init__()
         self.A = nn.Linear(d_in, r, bias=False)
         self.B = nn.Linear(r, d_out, bias=False)
@@ -108,19 +127,29 @@ class Bottleneck(nn.Module):
         std = cola_std(d_in, d_out, r)
         nn.init.normal_(self.A.weight, std=std)
         nn.init.normal_(self.B.weight, std=std)
+        self.cross = Crossing(r, cross) if cross else None
 
-    def forward(self, x):
-        z = self.act(self.A(x))   # (b, s, r)
-        return self.B(z)          # (b, s, d_out)
+    def forward(self, x, h_prev=None):
+        """(y, h): the output and the latent h = σ(...) that the next layer's crossing reads."""
+        z = self.A(x)                        # (b, s, r)
+        if self.cross is not None:
+            z = self.cross(z, h_prev)        # (b, s, r) LayerNorm(z + G(h_prev))
+        h = self.act(z)
+        return self.B(h), h                  # (b, s, d_out), (b, s, r)
 
 
-def projection(cfg, d_in, d_out, r):
-    """A dense nn.Linear for arch=full, otherwise a rank-r bottleneck."""
+def projection(cfg, d_in, d_out, r, crosses=False):
+    """A dense nn.Linear for arch=full, otherwise a rank-r bottleneck (crossing under LaX)."""
     if cfg.lowrank:
-        return Bottleneck(d_in, d_out, r, cfg.arch)
+        return Bottleneck(d_in, d_out, r, cfg.arch, cfg.lax_gate if crosses else None)
     layer = nn.Linear(d_in, d_out, bias=False)
     nn.init.normal_(layer.weight, std=(d_in + d_out) ** -0.5)
     return layer
+
+
+def project(p, x, h_prev=None):
+    """A projection's output and its latent h (a dense layer's: None)."""
+    return p(x, h_prev) if isinstance(p, Bottleneck) else (p(x), None)
 
 
 def rope_table(cfg):
@@ -158,46 +187,59 @@ def gated_product(mlp_gate, gate, up):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, crosses=False):
         super().__init__()
         d, r = cfg.n_embd, cfg.attn_rank
         self.cfg = cfg
-        self.q = projection(cfg, d, d, r)
-        self.k = projection(cfg, d, cfg.kv_dim, r)
-        self.v = projection(cfg, d, cfg.kv_dim, r)
-        self.o = projection(cfg, d, d, r)
+        self.q = projection(cfg, d, d, r, crosses)
+        self.k = projection(cfg, d, cfg.kv_dim, r, crosses)
+        self.v = projection(cfg, d, cfg.kv_dim, r, crosses)
+        self.o = projection(cfg, d, d, r, crosses)
 
-    def forward(self, x, cos, sin):
-        y = causal_attention(self.q(x), self.k(x), self.v(x),  # (b, s, d), (b, s, kv_dim) x2
-                             self.cfg.n_head, self.cfg.n_kv_head, cos, sin)
-        return self.o(y)                                       # (b, s, d)
+    def forward(self, x, cos, sin, prev=(None,) * 4):
+        """(output, the latents of q, k, v, o); prev: the previous layer's (LaX)."""
+        (q, hq), (k, hk), (v, hv) = (project(p, x, h) for p, h in zip((self.q, self.k, self.v), prev))
+        y = causal_attention(q, k, v, self.cfg.n_head, self.cfg.n_kv_head, cos, sin)  # (b, s, d)
+        out, ho = project(self.o, y, prev[3])                                         # (b, s, d)
+        return out, (hq, hk, hv, ho)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, crosses=False):
         super().__init__()
         d, f, r = cfg.n_embd, cfg.mlp_width, cfg.mlp_rank
         self.mlp_gate = cfg.mlp_gate
-        self.gate = projection(cfg, d, f, r)
-        self.up = projection(cfg, d, f, r)
-        self.down = projection(cfg, f, d, r)
+        self.gate = projection(cfg, d, f, r, crosses)
+        self.up = projection(cfg, d, f, r, crosses)
+        self.down = projection(cfg, f, d, r, crosses)
 
-    def forward(self, x):
-        h = gated_product(self.mlp_gate, self.gate(x), self.up(x))  # (b, s, d_ff)
-        return self.down(h)                                     # (b, s, d)
+    def forward(self, x, prev=(None,) * 3):
+        """(output, the latents of gate, up, down); prev: the previous layer's (LaX)."""
+        (g, hg), (u, hu) = project(self.gate, x, prev[0]), project(self.up, x, prev[1])
+        out, hd = project(self.down, gated_product(self.mlp_gate, g, u), prev[2])  # (b, s, d_ff) -> (b, s, d)
+        return out, (hg, hu, hd)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+    """One decoder layer; `index` 0 does not cross under LaX (it has no previous layer)."""
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (b, s, d)
-        return x + self.mlp(self.mlp_norm(x))           # (b, s, d)
+    def __init__(self, cfg, index=0):
+        super().__init__()
+        crosses = cfg.lax and index > 0
+        self.lax = cfg.lax
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, crosses)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg, crosses)
+
+    def forward(self, x, cos, sin, prev=None):
+        """(x, latents): the residual stream and, under LaX, the layer's seven latents (PROJECTIONS'
+        order) for the next layer; prev: the previous layer's (None in layer 0 and without LaX)."""
+        prev = prev or (None,) * 7
+        a, lat_attn = self.attn(self.attn_norm(x), cos, sin, prev[:4])
+        x = x + a                                              # (b, s, d)
+        m, lat_mlp = self.mlp(self.mlp_norm(x), prev[4:])
+        return x + m, (lat_attn + lat_mlp if self.lax else None)   # (b, s, d)
 
 
 class Llama(nn.Module):
@@ -211,7 +253,7 @@ class Llama(nn.Module):
         self.cfg, self.recompute = cfg, recompute  # activation checkpointing: none | layer | lowrank
         self.layer_runner = layer_runner
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         nn.init.normal_(self.tok_emb.weight, std=0.02)
@@ -226,14 +268,14 @@ class Llama(nn.Module):
         """idx (b, s) token ids -> (logits, loss); without targets only the last position's logits."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} is longer than block_size={self.cfg.block_size}")
-        x = self.tok_emb(idx)                            # (b, s, d)
+        x, lat = self.tok_emb(idx), None                 # (b, s, d); LaX: the latents between layers
         if self.recompute == "none":
             for layer in self.layers:
-                x = layer(x, self.rope_cos, self.rope_sin)   # (b, s, d)
+                x, lat = layer(x, self.rope_cos, self.rope_sin, lat)   # (b, s, d)
         else:
             if self.layer_runner is None:
                 raise ValueError(f"recompute={self.recompute} needs a layer_runner (checkpointing.run_layers)")
-            x = self.layer_runner(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
+            x, _ = self.layer_runner(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None     # (b, 1, V)
@@ -249,10 +291,13 @@ class Llama(nn.Module):
 
         6 per weight of every matmul (2 forward, 4 backward; the embedding is a lookup, norms are
         not matmuls) plus attention scores and values, 12·n_layer·d·s (PaLM's count, causal mask
-        not discounted)."""
+        not discounted). LaX's gates count as their matmuls: kron r·(r1 + r2) multiply-adds per
+        token (Dᵀ·mat(h), then ·E), linear r²."""
         s = seq_len or self.cfg.block_size
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul + 12 * self.cfg.n_layer * self.cfg.n_embd * s
+        kron = sum(c.norm.weight.numel() * (c.D.shape[0] + c.E.shape[0])
+                   for c in self.modules() if isinstance(c, Crossing) and c.gate == "kron")
+        return 6 * (matmul + kron) + 12 * self.cfg.n_layer * self.cfg.n_embd * s
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -21,6 +21,7 @@ import data
 import kernels
 import layouts
 import prepare
+from lax import LAX_GATES
 from model import ARCHS, GATES, Config
 
 
@@ -76,7 +77,7 @@ class TrainConfig:
     timeout_s: int = 600           # process-group timeout
 
 
-CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES,
+CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
 FAULTS = ("kill", "nan", "kill_in_save")

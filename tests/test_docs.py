@@ -8,7 +8,8 @@ import re
 
 from conftest import ROOT
 
-CORE = ("model.py", "layouts.py", "parallel.py", "kernels.py", "triton_kernels.py", "checkpointing.py", "train.py")
+CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "kernels.py", "triton_kernels.py", "checkpointing.py",
+        "lax.py", "train.py")
 SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
 
 

@@ -17,9 +17,10 @@ from model import Config, Llama
 def lowrank_saved_per_token(layout, cfg, t, e=4):
     """checkpointing.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
     ra, rm, d = cfg.attn_rank, cfg.mlp_rank, cfg.n_embd
-    return {"btp": (4 * ra + 3 * rm + 2 + 2 * d // t) * e,
-            "one": (4 * ra + 3 * rm + 2 * d) * e,
-            "vanilla": (4 * ra // t + 3 * rm // t + 2 * d) * e}[layout]
+    lat = (4 * ra + 3 * rm) * e if cfg.lax else 0   # LaX: the previous layer's latents, whole
+    return lat + {"btp": (4 * ra + 3 * rm + 2 + 2 * d // t) * e,
+                  "one": (4 * ra + 3 * rm + 2 * d) * e,
+                  "vanilla": (4 * ra // t + 3 * rm // t + 2 * d) * e}[layout]
 
 
 def run_recompute(make_model, recompute, idx, n_layer):
@@ -44,7 +45,8 @@ def check_recompute(make_model, layout, cfg, t, idx):
     saved = {mode: [run_recompute(make_model, mode, idx, n)[2] for n in (2, 4)] for mode in checkpointing.RECOMPUTE}
     per_layer = {mode: (v[1] - v[0]) / 2 / tokens for mode, v in saved.items()}
     assert per_layer["lowrank"] == lowrank_saved_per_token(layout, cfg, t), (layout, per_layer)
-    assert per_layer["layer"] == (cfg.n_embd // t if layout == "btp" else cfg.n_embd) * 4, (layout, per_layer)
+    lat = (4 * cfg.attn_rank + 3 * cfg.mlp_rank) if cfg.lax else 0
+    assert per_layer["layer"] == (lat + (cfg.n_embd // t if layout == "btp" else cfg.n_embd)) * 4, (layout, per_layer)
     assert per_layer["layer"] < per_layer["lowrank"] < per_layer["none"] / 2
     return ref
 
@@ -77,10 +79,11 @@ def test_recompute_flops_lowrank_below_layer():
 
 def _recompute_worker(rank, world):
     parallel.LEDGER.name(dist.group.WORLD, "tp")
-    for layout, size, overlap in (("btp", dict(n_embd=64, attn_rank=16, mlp_rank=24), False),
-                                  ("btp", dict(n_embd=64, attn_rank=16, mlp_rank=24), True),
+    small = dict(n_embd=64, attn_rank=16, mlp_rank=24)
+    for layout, size, overlap in (("btp", small, False), ("btp", small, True),
                                   ("btp", dict(n_embd=128, attn_rank=32, mlp_rank=32), True),
-                                  ("vanilla", dict(n_embd=64, attn_rank=16, mlp_rank=24), True)):
+                                  ("vanilla", small, True), ("btp", {**small, "lax": True}, True),   # LaX (lax.py)
+                                  ("vanilla", {**small, "lax": True, "lax_gate": "linear"}, True)):
         tp = parallel.TP(dist.group.WORLD, rank, world, overlap)
         cfg_of = lambda n: Config(**{**dict(n_head=8, n_kv_head=4, block_size=16, vocab_size=128), **size,
                                      "arch": "cola", "n_layer": n})

@@ -52,7 +52,7 @@ class AblatedBTPBlock(layouts.BTPBlock):
         return torch.cat(parts, -1)
 
     def latent(self, HS):
-        return super().latent(HS) if self.online_norm else self.act(HS)          # (b, s, n)
+        return super().latent(HS) if self.online_norm else HS                    # (b, s, n), before σ
 
 
 def ablated(online_norm=True, grouped=True):

@@ -1,0 +1,93 @@
+"""sharding.py: how a tensor-parallel model's local parameters derive from the single-device model's.
+
+BOOST (arXiv 2512.12131) sections 2-4 cut one model three ways (layouts.py). Every local parameter
+carries a `Spec`: which full-model parameters it is cut from, along which dim, and how many rows of
+each it holds. From the Specs alone a layout's model is cut (`Sharded.shard`), gathered back to the
+full model's names and shapes (`unshard`, which checkpoints, exports and the tests use), and its
+gradient norm counted once per parameter (`grad_norm_sq`).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import lax
+
+
+@dataclass
+class Spec:
+    """How a local parameter derives from the full model's: the full parameters `pieces`, each
+    split into t chunks along `dim` (None: replicated), this rank's chunks concatenated on dim 0
+    (`rows` of each in the local parameter)."""
+    pieces: list
+    dim: object
+    rows: list
+
+
+def cut_local(full, spec, tp):
+    """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
+    parts = [full[name] if spec.dim is None else full[name].chunk(tp.size, spec.dim)[tp.tp_rank] for name in spec.pieces]
+    return torch.cat(parts, 0)
+
+
+class Sharded(nn.Module):
+    """A module whose parameters are cut from the full model's state `full` by their Specs."""
+
+    def __init__(self, tp, full):
+        super().__init__()
+        self.tp, self._full, self.specs = tp, full, {}
+
+    def shard(self, name, pieces, dim):
+        full_rows = [self._full[piece].shape[0] for piece in pieces]
+        spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
+        self.register_parameter(name, nn.Parameter(cut_local(self._full, spec, self.tp).clone()))
+        self.specs[name] = spec
+
+    def shard_crossings(self, cfg, prefix):
+        """LaX: the layer's gates and LayerNorms, replicated, one parameter per group and kind."""
+        pieces = lax.group_pieces(prefix, self._full, cfg.lax_gate)
+        for name, names in pieces:
+            self.shard(name, names, None)
+        self.crosses, self.lax = bool(pieces), cfg.lax
+
+    def named_specs(self):
+        """(local parameter name, Spec) for every parameter."""
+        for prefix, m in self.named_modules():
+            for name, spec in getattr(m, "specs", {}).items():
+                yield (f"{prefix}.{name}" if prefix else name), spec
+
+    def full_tensors(self, grads=False):
+        """The single-device model's parameters (or gradients), gathered over TP: {name: tensor}."""
+        return self.unshard({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
+
+    def unshard(self, local):
+        """{local name: tensor shaped like that parameter} -> {full-model name: full tensor}.
+        A collective over the TP group: every TP rank must call it."""
+        out = {}
+        for name, spec in self.named_specs():
+            local_t = local[name]
+            if spec.dim is None or self.tp.size == 1:
+                shards = [local_t] * self.tp.size
+            else:
+                shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
+                dist.all_gather(shards, local_t.contiguous(), group=self.tp.group)
+            for piece, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
+                out[piece] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
+        return out
+
+    def grad_norm_sq(self):
+        """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""
+        params = dict(self.named_parameters())
+        sharded = replicated = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
+        for name, spec in self.named_specs():
+            g = params[name].grad
+            if g is None or (name == "tok_emb" and self.tied and not self.first):
+                continue  # (the tied embedding of the last stage is the first stage's: counted there)
+            if spec.dim is None:
+                replicated = replicated + g.double().pow(2).sum()
+            else:
+                sharded = sharded + g.double().pow(2).sum()
+        if self.tp.size > 1:
+            dist.all_reduce(sharded, group=self.tp.group)
+        return sharded + replicated
