@@ -5,8 +5,9 @@ dataset is a file or a folder (recursive, sorted, hidden files skipped) of text 
 each; any name but the ones below), JSON Lines (`.jsonl`, `.json`: one document per line, its text
 in the `text_field` the workers read), the gzip- or zstd-compressed form of either (`.gz`, `.zst`:
 C4's .json.gz, The Pile's and SlimPajama's .jsonl.zst, streamed), and Parquet (`.parquet`: FineWeb,
-DCLM; one document per row, its text in the `text_field` column, read one row group at a time,
-which pyarrow needs; zstandard reads .zst). Documents
+DCLM; one document per row, its text in the `text_field` column, decoded PARQUET_ROWS rows at a
+time; pyarrow reads a row group's column whole, so memory is a few times the largest row group's;
+pyarrow needs it; zstandard reads .zst). Documents
 are read one at a time and cut into pieces of about PIECE bytes at line ends, and pieces are handed
 out in tasks of about CHUNK bytes across document and file boundaries, so memory does not grow with
 the corpus or with a document. Binary files (a NUL byte in the first 8 KiB) and corrupt .gz files
@@ -22,6 +23,7 @@ PIECE = 16 << 10             # bytes: documents are cut at the first line end pa
 LONGEST = 4 * PIECE          # bytes: a piece with no line end in it is cut here
 CHUNK = 1 << 20              # bytes of text per task sent to a worker
 JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_ROWS = 256           # rows of a .parquet file decoded at a time (a row group can hold GBs)
 
 
 def kind_of(path):
@@ -174,7 +176,8 @@ class Reader:
         self.doc += 1
 
     def _parquet(self, f):
-        """One row group at a time (bounded memory); each row's text is an item the workers cut."""
+        """PARQUET_ROWS rows at a time, whatever the row groups' size (bounded memory); each row's text
+        is an item the workers cut."""
         import pyarrow.parquet as pq
         table = pq.ParquetFile(self.raw)   # (read through self.raw: progress counts its bytes)
         field = self.opts[1]
@@ -182,8 +185,8 @@ class Reader:
             self.skipped.append(f"{f} (no column {field!r}; its columns: {', '.join(table.schema_arrow.names[:8])})")
             return
         row = 0
-        for group in range(table.num_row_groups):
-            for text in table.read_row_group(group, columns=[field]).column(0).to_pylist():
+        for batch in table.iter_batches(batch_size=PARQUET_ROWS, columns=[field]):   # within a row group too
+            for text in batch.column(0).to_pylist():
                 row += 1
                 blob = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
                 yield from self._add(("row", str(f), self.doc, row, blob, None))

@@ -138,15 +138,18 @@ class Metrics:
             self.board = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
     @classmethod
-    def start(cls, out_dir, active, run_id, argv, resumed_from=None, iter_num=0, tensorboard=False):
-        """The log of a run that starts or resumes: run.json written, the first event appended."""
+    def start(cls, out_dir, active, run_id, argv, resumed_from=None, iter_num=0, tensorboard=False,
+              tokens_per_iter=None):
+        """The log of a run that starts or resumes: run.json written, the first event appended (with
+        the tokens an iteration trains, which tools/plot.py puts on its tokens axis)."""
         metrics = cls(out_dir, active, tensorboard)
         if active:
             write_run(out_dir, run_id, argv)
             if resumed_from:
-                metrics.event("resume", iter=iter_num, checkpoint=resumed_from, run_id=run_id)
+                metrics.event("resume", iter=iter_num, checkpoint=resumed_from, run_id=run_id,
+                              tokens_per_iter=tokens_per_iter)
             else:
-                metrics.event("start", run_id=run_id, argv=argv)
+                metrics.event("start", run_id=run_id, argv=argv, tokens_per_iter=tokens_per_iter)
         return metrics
 
     def write(self, record):

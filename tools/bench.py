@@ -6,7 +6,8 @@
     python tools/bench.py comm     # exposed communication: each layout plain, with --overlap and with no communication
     python tools/bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
     python tools/bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
-    python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB: MB/s, tokens/s, memory (bench_data.py)
+    python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB in six forms (txt, jsonl, .gz, .zst,
+                             # parquet, mixed), --rounds=3: MB/s, tokens/s, memory (bench_data.py)
     python tools/bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices, Triton vs PyTorch,
                              # and a 1B-shaped training step per arch, compile off/on (bench_gpu.py)
@@ -108,17 +109,19 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     tp = parallel.TP(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     out, b, s = {}, 2, 32
-    for arch, layout in (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp")):
+    for arch, layout, lax in (("full", "megatron", False), ("cola", "vanilla", False), ("cola", "btp", False),
+                              ("cola", "vanilla", True), ("cola", "btp", True)):   # LaX: a crossing layer
         totals = []
-        for n_layer in (1, 2):
-            cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer, "block_size": s})
+        for n_layer in (2, 3):   # the difference: layer 2, which crosses under LaX
+            cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer, "block_size": s,
+                            "lax": lax})
             model = layouts.TPLlama(Llama(cfg), tp, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
             totals.append([parallel.LEDGER.total("tp", phase) for phase in ("fwd", "bwd")])
-        out[layout] = {"measured": [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)],
-                       "formula": list(layouts.per_layer_traffic(layout, cfg)[:2])}
+        out[layout + (" lax" if lax else "")] = {"measured": [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)],
+                                                 "formula": list(layouts.per_layer_traffic(layout, cfg)[:2])}
     if rank == 0:
         Path(result).write_text(json.dumps(out))
     parallel.exit_worker(world)
@@ -372,7 +375,14 @@ def main(argv):
         text, out = bench_gpu.run("cuda", n_layer)
     elif what == "data":
         import bench_data
-        title, header, rows, note, out = bench_data.bench_data(mb, keep)
+        rounds = next((a.split("=", 1)[1] for a in extra if a.startswith("--rounds=")), "3")
+        if not rounds.isdigit() or int(rounds) < 1:
+            usage_error(f"--rounds={rounds} must be a whole number of at least 1")
+        try:
+            title, header, rows, note, out = bench_data.bench_data(mb, keep, int(rounds))
+        except ValueError as e:   # a missing package
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
     else:
         import costmodel

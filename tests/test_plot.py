@@ -1,0 +1,91 @@
+"""test_plot.py: tools/plot.py draws what metrics.jsonl says (a resumed run's later records, the
+tokens axis from tokens_per_iter) and refuses bad input in one line; bench.py data's corpus forms
+hold the same documents, so they prepare to the same token files.
+"""
+import json
+import sys
+
+import pytest
+
+import prepare
+from conftest import ROOT, command, run_train
+
+sys.path.insert(0, str(ROOT / "tools"))
+import bench_data  # noqa: E402
+import plot  # noqa: E402
+
+
+def write_log(folder, lines):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(x if isinstance(x, str) else json.dumps(x) + "\n" for x in lines))
+
+
+def test_read_run_keeps_the_later_attempt_and_counts_tokens(tmp_path):
+    write_log(tmp_path / "a", [
+        {"event": "start", "tokens_per_iter": 100},
+        {"iter": 0, "loss": 5.0, "tokens_per_s": 10.0, "val_loss": 5.5},
+        {"iter": 1, "loss": 4.0, "tokens_per_s": 11.0},
+        {"iter": 2, "loss": 3.9, "tokens_per_s": 12.0, "val_loss": 4.2},
+        {"event": "resume", "iter": 1, "tokens_per_iter": 100},   # resumed from iteration 1's checkpoint
+        {"iter": 2, "loss": 3.0, "tokens_per_s": 13.0, "val_loss": 3.5},
+        '{"iter": 3, "loss": 2.',                                  # cut short by a kill
+    ])
+    run = plot.read_run(tmp_path / "a")
+    assert run["train"] == [(0, 100, 5.0), (1, 200, 4.0), (2, 300, 3.0)]
+    assert run["val"] == [(0, 0, 5.5), (2, 200, 3.5)]   # evaluated before step 2: 2 steps of tokens
+    assert run["speed"] == [(0, 10.0), (1, 11.0), (2, 13.0)]
+
+
+def test_plot_draws_real_runs(tmp_path, data_dir):
+    pytest.importorskip("matplotlib")
+    for name in ("cola", "full"):
+        run_train(tmp_path / name, data_dir, f"--arch={name}", "--max_iters=4", "--eval_interval=2")
+    run = plot.read_run(tmp_path / "cola")
+    per_iter = 4 * 32   # TINY: batch 4 of 32 tokens
+    assert [p[:2] for p in run["train"]] == [(i, (i + 1) * per_iter) for i in range(4)]
+    assert [p[0] for p in run["val"]] == [0, 2, 4]
+    out = tmp_path / "runs.png"
+    code, err = command(plot.main, tmp_path / "cola", tmp_path / "full", "-o", out, "--labels=CoLA,dense")
+    assert code == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_refuses_bad_input_in_one_line(tmp_path):
+    write_log(tmp_path / "a", [{"event": "start"}, {"iter": 0, "loss": 1.0, "tokens_per_s": 1.0}])
+    (tmp_path / "notes.txt").write_text("mine")
+    cases = [((tmp_path / "empty", "-o", tmp_path / "x.png"), "has no metrics.jsonl"),
+             ((tmp_path / "a", "-o", tmp_path / "notes.txt"), "name a .png"),
+             ((tmp_path / "a", "-o", tmp_path / "nope" / "x.png"), "does not exist"),
+             ((tmp_path / "a", "-o", tmp_path / "x.png", "--labels=a,b"), "names 2 runs")]
+    (tmp_path / "empty").mkdir()
+    for args, fragment in cases:
+        code, err = command(plot.main, *args)
+        assert code == 2 and err.startswith("error: ") and "\n" not in err and fragment in err, (args, err)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "x.png").exists()
+    write_log(tmp_path / "b", [{"event": "start"}])
+    code, err = command(plot.main, tmp_path / "b", "-o", tmp_path / "x.png")
+    assert code == 2 and "holds no iteration records" in err
+
+
+def test_bench_data_forms_prepare_to_the_same_tokens(tmp_path):
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("zstandard")
+    forms = bench_data.make_corpus(tmp_path / "corpus", 0.3)
+    assert set(forms) == set(bench_data.FORMS)
+    crcs = {}
+    for form in ("jsonl", "jsonl.gz", "jsonl.zst", "parquet"):
+        out = prepare.prepare(str(forms[form]), "bytes", tmp_path / f"d-{form}", num_proc=1, log=lambda *a: None)
+        meta = json.loads((out / "meta.json").read_text())
+        crcs[form] = (meta["documents"], meta["train_crc32"], meta["val_crc32"])
+    assert len(set(crcs.values())) == 1, crcs
+    mixed = json.loads((prepare.prepare(str(forms["mixed"]), "bytes", tmp_path / "d-mixed", num_proc=1,
+                                        log=lambda *a: None) / "meta.json").read_text())
+    assert mixed["documents"] == 3 * crcs["jsonl"][0]   # the .txt folder, the .jsonl and the .jsonl.gz
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+    write_log(tmp_path / "a", [{"event": "start"}, {"iter": 0, "loss": 1.0, "tokens_per_s": 1.0}])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # as if it were not installed
+    code, err = command(plot.main, tmp_path / "a", "-o", tmp_path / "x.png")
+    assert code == 2 and "needs the matplotlib package: pip install matplotlib" in err and "\n" not in err
+    assert not (tmp_path / "x.png").exists()

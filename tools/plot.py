@@ -1,0 +1,110 @@
+"""plot.py: several runs side by side, from their metrics.jsonl: the curves of BOOST's comparisons.
+
+Not a figure of the BOOST paper (arXiv 2512.12131) itself; the way its §7 comparisons (CoLA against
+dense at equal steps, the layouts' losses lying on one another, their step times) are looked at here.
+
+    python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b,...] [--title=TEXT]
+
+Three panels: train loss (solid) and val loss (dots, dashed) against iterations; the same against
+tokens trained; tokens/s against iterations. Each run is drawn narrower than the one before, so
+runs whose losses are equal (the layouts of one model) show as nested bands. -o names a .png, .svg or .pdf, replaced if it exists
+(no other file is written). Each OUT_DIR is a train.py out_dir; its label is the
+folder's name unless --labels names them. A resumed run's log holds every attempt: where an
+iteration was logged twice (a run resumed from an earlier checkpoint), the later record is drawn.
+Needs matplotlib (`pip install matplotlib`), which only this tool imports.
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+
+import data  # noqa: E402  (after the path line)
+
+IMAGES = (".png", ".svg", ".pdf")   # the only files -o writes, replacing one of that name
+
+
+def read_run(out_dir):
+    """{"train": [(iter, tokens, loss)], "val": [(iter, tokens, loss)], "speed": [(iter, tokens/s)]} of
+    an out_dir's metrics.jsonl; ValueError naming what is missing. A line cut short by a kill is skipped."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{out_dir} has no metrics.jsonl (is it a train.py out_dir?)")
+    records, per_iter = {}, None
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if rec.get("event") in ("start", "resume"):
+            per_iter = rec.get("tokens_per_iter", per_iter)
+        elif "iter" in rec and "event" not in rec:
+            records[rec["iter"]] = {**rec, "per_iter": per_iter}   # a later attempt's record replaces
+    if not records:
+        raise ValueError(f"{path} holds no iteration records")
+    run = {"train": [], "val": [], "speed": []}
+    for it in sorted(records):
+        rec, n = records[it], records[it]["per_iter"] or 0
+        if "loss" in rec:   # the loss of step `it`: after it, (it + 1) steps of tokens were trained
+            run["train"].append((it, (it + 1) * n, rec["loss"]))
+            run["speed"].append((it, rec["tokens_per_s"]))
+        if "val_loss" in rec:   # evaluated before step `it`
+            run["val"].append((it, it * n, rec["val_loss"]))
+    return run
+
+
+def draw(runs, labels, out, title=None):
+    """The three panels of `runs` (read_run's) into the image file `out`."""
+    from tokenizer import need
+    matplotlib = need("matplotlib", "tools/plot.py")
+    matplotlib.use("Agg")   # files only, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for k, (run, label) in enumerate(zip(runs, labels)):
+        color = f"C{k}"
+        lw = 1 + 2.5 * (len(runs) - 1 - k) / max(1, len(runs) - 1)   # earlier runs wider: equal curves show as bands
+        for x, ax in ((0, axes[0]), (1, axes[1])):   # x: 0 iterations, 1 tokens
+            ax.plot([p[x] for p in run["train"]], [p[2] for p in run["train"]], color=color, lw=lw, label=f"{label} train")
+            if run["val"]:
+                ax.plot([p[x] for p in run["val"]], [p[2] for p in run["val"]], "o--", color=color, ms=2 + lw,
+                        lw=lw, label=f"{label} val")
+        axes[2].plot([p[0] for p in run["speed"]], [p[1] for p in run["speed"]], color=color, lw=1, label=label)
+    for ax, xlabel, ylabel in zip(axes, ("iteration", "tokens trained", "iteration"), ("loss", "loss", "tokens/s")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv):
+    parser = data.CommandParser(prog="tools/plot.py", description="Draw train.py runs side by side.")
+    parser.add_argument("out_dirs", nargs="+", metavar="OUT_DIR")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="a .png, .svg or .pdf (replaced)")
+    parser.add_argument("--labels", help="comma-separated, one per OUT_DIR (default: the folders' names)")
+    parser.add_argument("--title")
+    args = parser.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [Path(d).resolve().name for d in args.out_dirs]
+    if len(labels) != len(args.out_dirs):
+        parser.error(f"--labels names {len(labels)} runs, {len(args.out_dirs)} OUT_DIRs given")
+    if Path(args.output).suffix.lower() not in IMAGES:
+        parser.error(f"-o {args.output}: name a {', '.join(IMAGES)} file (only an image is ever replaced)")
+    if not Path(args.output).resolve().parent.is_dir():
+        parser.error(f"the folder of {args.output} does not exist")
+    try:
+        runs = [read_run(d) for d in args.out_dirs]
+        draw(runs, labels, args.output, args.title)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"plot: {len(runs)} run(s) drawn into {args.output}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
