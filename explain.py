@@ -86,6 +86,11 @@ class Names:
         if not cfg.lowrank:
             return (out, inp)
         rank = "r" if parts[2] == "attn" else self.rm
+        if parts[4] == "cross":   # LaX: the LayerNorm and the gate (kron's D and E: r1 x r1, r2 x r2)
+            kind = parts[5]
+            if kind in ("D", "E"):
+                return (f"{rank}{'12'[kind == 'E']}",) * 2
+            return (rank, rank) if kind == "W" and parts[-1] == "weight" else (rank,)
         return (rank, inp) if parts[4] == "A" else (out, rank)
 
     def local(self, spec, cfg):
@@ -300,7 +305,7 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
     from model import Config, Llama
     rows = []
     for n_layer in (1, 2):
-        c = Config(**{**cfg.shape(), "arch": arch, "n_layer": n_layer,
+        c = Config(**{**cfg.shape(), "arch": arch, "n_layer": n_layer, "lax": cfg.lax and arch != "full",
                       "mlp_gate": cfg.mlp_gate if arch == cfg.arch else "auto"})
         torch.manual_seed(0)
         model = layouts.TPLlama(Llama(c, recompute=recompute, layer_runner=checkpointing.run_layers), tp, layout)
@@ -318,7 +323,8 @@ def comparison(cfg, tc, tp, layout, b, s, device):
     """The three layouts of the paper at this width, one layer each, side by side."""
     low = cfg.arch if cfg.lowrank else "cola"
     cases = [("megatron", "full"), ("vanilla", low), ("btp", low)]
-    lines = [f"  one layer at this width (d={cfg.n_embd}, r={cfg.attn_rank}, tp={tp.size}), per token, measured:",
+    lax = " (LaX: layer 1, which crosses, minus layer 0)" if cfg.lax else ""
+    lines = [f"  one layer at this width (d={cfg.n_embd}, r={cfg.attn_rank}, tp={tp.size}), per token, measured{lax}:",
              "  layout    arch  TP elements fwd  bwd   collectives  saved bytes  FLOPs on this rank"]
     for name, arch in cases:
         recompute = tc.recompute if not (tc.recompute == "lowrank" and arch == "full") else "none"

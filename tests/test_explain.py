@@ -131,3 +131,20 @@ def test_profile_writes_a_trace_per_rank(tmp_path, data_dir):
     (["--profile=1:1", "--explain=true"], "nothing for profile to trace"), (["--explain=maybe"], "true or false")])
 def test_bad_explain_and_profile(capsys, tmp_path, argv, fragment):
     expect_error(capsys, [f"--out_dir={tmp_path}", *TINY, *argv], fragment)
+
+
+@pytest.mark.slow
+def test_explain_lax_btp_sends_what_cola_sends(tmp_path):
+    """LaX under btp crosses the all-reduced latents locally: its traffic is CoLA's, element for
+    element; vanilla's side-by-side row shows its all-gathered latents."""
+    out = explain(2, tmp_path, "--lax=true", "--tp=2")
+    tokens, totals, saved, sections, table = parse(out)
+    lax_cfg, _ = options.parse_args([*TINY, "--lax=true"])
+    cola_cfg, _ = options.parse_args(TINY)
+    fwd, bwd, calls = per_layer_traffic("btp", lax_cfg)
+    assert (fwd, bwd, calls) == per_layer_traffic("btp", cola_cfg)
+    assert table["btp"] == (fwd, bwd) and sum(sections["bwd · layer 1"]) == bwd * tokens
+    latents = 4 * lax_cfg.attn_rank + 3 * lax_cfg.mlp_rank
+    vanilla = per_layer_traffic("vanilla", cola_cfg)
+    assert table["vanilla"] == (vanilla[0] + latents, vanilla[1] + latents), table
+    assert "LaX: layer 1, which crosses, minus layer 0" in out

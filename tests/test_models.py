@@ -29,6 +29,7 @@ REFERENCE = {
     "paper_7b": (4096, 11008, 32, 32, 1024, "silu", False, 4096),
     "paper_13b": (5120, 13824, 40, 40, 1280, "silu", False, 4096),
     "paper_30b": (6656, 17920, 52, 60, 1664, "silu", False, 4096),
+    "lax_60m": (512, 1344, 8, 8, 128, "none", False, 4096), "lax_1b": (2048, 5472, 32, 24, 512, "none", True, 4096),
 }
 
 
@@ -41,6 +42,7 @@ def test_every_preset_has_the_papers_shape():
         got = (cfg.n_embd, cfg.mlp_width, cfg.n_head, cfg.n_layer, cfg.attn_rank, cfg.mlp_gate, cfg.tie_embeddings,
                cfg.block_size)
         assert got == (d, f, h, layers, r, gate, tied, seq) and cfg.mlp_rank == r and cfg.norm_eps == 1e-6, name
+        assert cfg.lax == name.startswith("lax_") and cfg.lax_gate == "kron", name
         cfg.vocab_size = 32000
         with torch.device("meta"):   # never allocates: the 7B-30B models are built as shapes only
             Llama(cfg)
