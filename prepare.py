@@ -35,10 +35,10 @@ import numpy as np
 
 import corpus
 import data
-from tokenizer import identity as tokenizer_identity
+from tokenizer import continued, identity as tokenizer_identity
 
 UNIT = 16                    # pieces (256 KiB to 1 MiB): a longer document is split in units of this many
-FORMAT = 4                   # bumped when the same source would give other token files
+FORMAT = 5                   # bumped when the same source would give other token files (5: "▁" once a document)
 PROGRESS_S = 5.0             # seconds between progress lines
 
 
@@ -108,7 +108,8 @@ def tokenize(task):
     _bad[0] = 0
 
     def emit(doc, k, blob, last):
-        ids = _enc.encode_ordinary(blob.decode("utf-8", "boost_count"))
+        encode = continued(_enc) if k else _enc.encode_ordinary   # a later piece of a document: no "▁" again
+        ids = encode(blob.decode("utf-8", "boost_count"))
         if last:
             ids.append(_enc.eot_token)
             stats["docs"] += 1

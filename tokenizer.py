@@ -8,7 +8,10 @@ Not part of the BOOST paper (arXiv 2512.12131) itself: what its models read. CoL
 - a path: a Hugging Face `tokenizer.json` (the `tokenizers` package), a SentencePiece `.model`
   (`sentencepiece`), or a model folder holding either (tokenizer.json first, then tokenizer.model).
 
-Every one has encode_ordinary(text) -> ids (special tokens in the text are text), decode(ids),
+Every one has encode_ordinary(text) -> ids (special tokens in the text are text), encode_continued
+(the same for a piece that continues a document: SentencePiece and Metaspace-style tokenizers add a
+"▁" before every text they encode, which a document cut into pieces must get once, not at every
+piece; `continued` gives it for any tokenizer), decode(ids),
 eot_token (the end-of-document id: SentencePiece's eos, a tokenizer.json's eos_token from the
 tokenizer_config.json beside it, else its first special token named like one) and n_vocab. A file's
 identity, `hf-<sha256 of the file, 12 hex>` or `spm-<...>`, names the prepared token files and is
@@ -78,11 +81,33 @@ def load(name):
         raise ValueError(f"cannot read the tokenizer {path} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
 
 
+def continued(enc):
+    """The encoder of a piece that continues a document (prepare.py cuts long ones)."""
+    return getattr(enc, "encode_continued", enc.encode_ordinary)
+
+
+def _no_prefix(spec):
+    """A tokenizer.json's dict without the "▁" it prepends to a text: Prepend normalizers dropped,
+    Metaspace pre-tokenizers and decoders set to prepend never (LLaMA's and T5's tokenizer.json)."""
+    if isinstance(spec, list):
+        return [_no_prefix(x) for x in spec if not (isinstance(x, dict) and x.get("type") == "Prepend")]
+    if not isinstance(spec, dict):
+        return spec
+    out = {k: _no_prefix(v) for k, v in spec.items()}
+    if out.get("type") == "Prepend":
+        return None
+    if out.get("type") == "Metaspace":
+        out.update(prepend_scheme="never", add_prefix_space=False)
+    return out
+
+
 class HuggingFace:
     """A tokenizer.json through the `tokenizers` package."""
 
     def __init__(self, path):
-        self.tok = need("tokenizers", f"the tokenizer {path}").Tokenizer.from_file(str(path))
+        lib = need("tokenizers", f"the tokenizer {path}")
+        self.tok = lib.Tokenizer.from_file(str(path))
+        self.cont = lib.Tokenizer.from_str(json.dumps(_no_prefix(json.loads(Path(path).read_text()))))
         self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
         eos = _configured_eos(path.parent / "tokenizer_config.json")
         special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
@@ -94,6 +119,9 @@ class HuggingFace:
 
     def encode_ordinary(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_continued(self, text):
+        return self.cont.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -110,7 +138,9 @@ class SentencePiece:
     """A SentencePiece .model through the `sentencepiece` package (no BOS or EOS added while encoding)."""
 
     def __init__(self, path):
-        self.sp = need("sentencepiece", f"the tokenizer {path}").SentencePieceProcessor(model_file=str(path))
+        lib = need("sentencepiece", f"the tokenizer {path}")
+        self.sp = lib.SentencePieceProcessor(model_file=str(path))
+        self.cont = lib.SentencePieceProcessor(model_proto=_without_dummy_prefix(self.sp.serialized_model_proto()))
         self.n_vocab, self.eot_token = self.sp.get_piece_size(), self.sp.eos_id()
         if self.eot_token < 0:
             raise ValueError(f"the SentencePiece model {path} has no eos piece to end documents with")
@@ -119,8 +149,61 @@ class SentencePiece:
     def encode_ordinary(self, text):
         return self.sp.encode(text)
 
+    def encode_continued(self, text):
+        return self.cont.encode(text)
+
     def decode(self, ids):
         return self.sp.decode(ids)
+
+
+def _varint(buf, i):
+    """(value, next index) of the protobuf varint at buf[i]."""
+    value = shift = 0
+    while True:
+        value, i, shift = value | (buf[i] & 0x7F) << shift, i + 1, shift + 7
+        if not buf[i - 1] & 0x80:
+            return value, i
+
+
+def _put_varint(n):
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _fields(buf):
+    """The (field number, wire type, raw bytes of the whole field) of a protobuf message, in order."""
+    i, out = 0, []
+    while i < len(buf):
+        start = i
+        tag, i = _varint(buf, i)
+        kind = tag & 7
+        if kind == 0:
+            _, i = _varint(buf, i)
+        elif kind == 2:
+            n, i = _varint(buf, i)
+            i += n
+        else:
+            i += 8 if kind == 1 else 4
+        out.append((tag >> 3, kind, buf[start:i]))
+    return out
+
+
+def _without_dummy_prefix(proto):
+    """A SentencePiece model (serialized ModelProto) with normalizer_spec.add_dummy_prefix = false:
+    field 3 of the model, field 3 of the spec (edited on the wire, so no protobuf package is needed)."""
+    out = bytearray()
+    for number, kind, raw in _fields(proto):
+        if number == 3 and kind == 2:
+            _, i = _varint(raw, 0)
+            n, i = _varint(raw, i)
+            spec = b"".join(r for f, k, r in _fields(raw[i:i + n]) if f != 3) + b"\x18\x00"
+            raw = raw[:1] + _put_varint(len(spec)) + spec
+        out += raw
+    return bytes(out)
 
 
 def write_for_hf(name, folder):

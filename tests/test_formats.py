@@ -33,6 +33,11 @@ def tokenizers_dir(tmp_path_factory):
     tok.train_from_iterator(documents(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(d / "tokenizer.json"))
+    meta = Tokenizer(models.BPE(unk_token="<unk>"))   # LLaMA's and T5's way: a "▁" before every text
+    meta.pre_tokenizer, meta.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    meta.train_from_iterator(documents(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"]))
+    (d / "metaspace").mkdir()
+    meta.save(str(d / "metaspace" / "tokenizer.json"))
     (d / "corpus.txt").write_text("\n".join(documents()))
     spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=400,
                                    model_type="bpe", byte_fallback=True, character_coverage=0.995, minloglevel=2,
@@ -70,9 +75,12 @@ def test_tokenizer_files_encode_decode_and_name_themselves(tokenizers_dir, name)
     assert tokenizer.identity(str(tokenizers_dir)) == tokenizer.identity(str(tokenizers_dir / "tokenizer.json"))
 
 
-def test_parquet_and_zst_prepare_alike_for_any_num_proc_and_decode_back(tmp_path, tokenizers_dir):
+@pytest.mark.parametrize("name", ["tokenizer.json", "sp.model", "metaspace/tokenizer.json"])
+def test_parquet_and_zst_prepare_alike_for_any_num_proc_and_decode_back(tmp_path, tokenizers_dir, name):
+    """... and a long document cut into pieces decodes back whole: a tokenizer that puts "▁" before
+    every text it encodes (SentencePiece, Metaspace) puts it before the document only."""
     src, docs = corpus(tmp_path / "c")
-    tok = str(tokenizers_dir / "tokenizer.json")
+    tok = str(tokenizers_dir / name)
     logs = []
     one = prepare.prepare(str(src), tok, tmp_path / "one", num_proc=1, log=logs.append)
     two = prepare.prepare(str(src), tok, tmp_path / "two", num_proc=2, log=lambda *a: None)
@@ -84,7 +92,8 @@ def test_parquet_and_zst_prepare_alike_for_any_num_proc_and_decode_back(tmp_path
     enc = tokenizer.load(tok)
     import numpy as np
     ids = np.concatenate([np.fromfile(one / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
-    decoded = enc.decode(ids.tolist()).split("<|endoftext|>")[:-1]
+    ends = np.flatnonzero(ids == enc.eot_token)   # (SentencePiece does not render its </s>: cut at the ids)
+    decoded = [enc.decode(ids[a + 1:b].tolist()) for a, b in zip([-1, *ends[:-1]], ends)]
     assert sorted(decoded) == sorted(d for d in docs)   # every document, whole, in one split or the other
 
 
