@@ -339,7 +339,10 @@ class TPLlama(Sharded):
         """With tied embeddings: each TP rank holds the gradient of the slices it used (the embedding's
         d/t columns under btp, the head's V/t rows): their sum over TP is the single-device gradient."""
         if self.tied and getattr(self, "tok_emb", None) is not None and self.tok_emb.grad is not None:
-            self.tok_emb.grad = all_reduce(self.tok_emb.grad, self.tp.group, "grad")
+            g = self.tok_emb.grad   # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
+            summed = all_reduce(g.to_local() if hasattr(g, "to_local") else g, self.tp.group, "grad")
+            if not hasattr(g, "to_local"):
+                self.tok_emb.grad = summed
 
     def forward(self, x, targets=None):
         g = self.tp.group

@@ -18,6 +18,7 @@ import torch
 
 import checkpointing
 import data
+import dp_shard
 import kernels
 import layouts
 import prepare
@@ -67,6 +68,7 @@ class TrainConfig:
     recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
     kernels: str = "auto"          # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     overlap: bool = True           # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
+    dp_shard: str = "none"         # none (DDP) | grad (FSDP2, ZeRO-2 style) | full (ZeRO-3 style): dp_shard.py
     # system
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
@@ -79,7 +81,8 @@ class TrainConfig:
 
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS}
+           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS,
+           "dp_shard": dp_shard.MODES}
 FAULTS = ("kill", "nan", "kill_in_save")
 
 
@@ -146,7 +149,7 @@ def read_config_file(path, known):
 
 # options of one launch, never taken from the record of the run a launch resumes
 PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "tp_mode", "pp_schedule",
-              "overlap", "compile", "kernels", "profile", "explain", "inject_fault", "num_proc", "data_dir",
+              "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault", "num_proc", "data_dir",
               "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens"}
 NOTED = ("dataset", "seed", "tokenizer", "text_field", "val_fraction")   # a resume says when these change
 
@@ -270,4 +273,17 @@ def plan_parallel(cfg, tc, world):
     if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
         raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: raise "
                          f"gradient_accumulation_steps to {tc.pp * dp} or use --pp_schedule=gpipe")
+    if tc.dp_shard != "none":
+        check_dp_shard(tc, dp)
     return dp, layout
+
+
+def check_dp_shard(tc, dp):
+    """What --dp_shard composes with in this version (ValueError naming the rest)."""
+    if dp == 1:
+        raise ValueError(f"dp_shard={tc.dp_shard} shards over the data-parallel ranks, and this run has dp=1")
+    for bad, why in ((tc.pp > 1, "pp > 1"), (tc.recompute == "lowrank", "recompute=lowrank (its segments call "
+                     "the layers' chunks past FSDP's hooks): use recompute=layer or none"),
+                     (tc.compile, "compile=true"), (tc.explain, "explain=true")):
+        if bad:
+            raise ValueError(f"dp_shard={tc.dp_shard} does not compose with {why} yet; dp_shard=none does")

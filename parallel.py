@@ -320,10 +320,12 @@ def clip_grad_norm(model, max_norm, pp_group=None):
         norm = norm_sq.sqrt().float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in tp_model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g.mul_(coef.to(g.dtype))
         return norm
-    return torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm   # (a DTensor under --dp_shard)
 
 
 def all_reduce_grads(model, dp_group):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import checkpointing
+import dp_shard
 import kernels
 import layouts
 import parallel
@@ -65,4 +66,7 @@ def build_model(cfg, tc, place, layout):
         model = layouts.TPLlama(model, place.tp, layout, stage=place.pp_rank, stages=tc.pp)
     elif cfg.lowrank and kernels.backend() != "torch":
         model = layouts.TPLlama(model, place.tp, "btp")
-    return model.to(place.device), *counts
+    model = model.to(place.device)
+    if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
+        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, place.device, tc.dtype)
+    return model, *counts

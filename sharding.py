@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import dp_shard
 import lax
 
 
@@ -59,9 +60,9 @@ class Sharded(nn.Module):
 
     def full_tensors(self, grads=False):
         """The single-device model's parameters (or gradients), gathered over TP: {name: tensor}."""
-        return self.unshard({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
+        return self.gather_full({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
 
-    def unshard(self, local):
+    def gather_full(self, local):
         """{local name: tensor shaped like that parameter} -> {full-model name: full tensor}.
         A collective over the TP group: every TP rank must call it."""
         out = {}
@@ -77,17 +78,24 @@ class Sharded(nn.Module):
         return out
 
     def grad_norm_sq(self):
-        """Squared global gradient norm: sharded parameters summed over TP, replicated counted once."""
+        """Squared global gradient norm: sharded parameters summed over TP, replicated counted once;
+        under --dp_shard every gradient is also a dp shard (dp_shard.py): summed over dp too."""
         params = dict(self.named_parameters())
-        sharded = replicated = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
+        sharded = replicated = torch.zeros((), dtype=torch.float64, device=dp_shard.local(next(self.parameters())).device)
+        dp_group = None
         for name, spec in self.named_specs():
             g = params[name].grad
             if g is None or (name == "tok_emb" and self.tied and not self.first):
                 continue  # (the tied embedding of the last stage is the first stage's: counted there)
+            if dp_shard.is_sharded(g):
+                dp_group, g = g.device_mesh.get_group(), g.to_local()
             if spec.dim is None:
                 replicated = replicated + g.double().pow(2).sum()
             else:
                 sharded = sharded + g.double().pow(2).sum()
         if self.tp.size > 1:
             dist.all_reduce(sharded, group=self.tp.group)
-        return sharded + replicated
+        total = sharded + replicated
+        if dp_group is not None:
+            dist.all_reduce(total, group=dp_group)
+        return total

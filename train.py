@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpointing
 import data
+import dp_shard
 import kernels
 import options
 import parallel
@@ -172,7 +173,7 @@ class Run:
         self.tokenizer_id = tokenizer_identity(tc.tokenizer)     # (once: what the run's data was prepared with)
         if tc.pp > 1:
             self.pipe = parallel.Pipeline(raw_model, place.mesh, self.micro_steps, tc.pp_schedule, place.device)
-        elif place.dp > 1:
+        elif place.dp > 1 and tc.dp_shard == "none":   # (dp_shard: FSDP2 shards the model: dp_shard.py)
             cuda = place.device.startswith("cuda")
             self.model = DDP(self.model, process_group=place.group("dp"), device_ids=[place.device] if cuda else None)
             self.model.register_comm_hook(place.group("dp"), parallel.ledger_ddp_hook)
@@ -269,14 +270,19 @@ def train_step(run, iter_num):
             loss_sum = run.pipe.run(*run.whole("train", "train", iter_num))
         parallel.all_reduce_grads(run.raw_model, run.place.group("dp"))
     else:
+        sharded = run.tc.dp_shard != "none"
         for micro, (x, y) in enumerate(run.shares("train", "train", iter_num)):
             sync = micro == run.micro_steps - 1 or run.place.dp == 1   # DDP all-reduces at the last only
-            with (nullcontext() if sync else run.model.no_sync()), run.autocast:
+            if sharded:   # FSDP2 reduce-scatters at the last only
+                run.model.set_requires_gradient_sync(sync)
+            with (nullcontext() if sync or sharded else run.model.no_sync()), run.autocast:
                 loss = run.model(x, y)[1] / run.micro_steps
                 if fault_at(run.tc, "nan", iter_num):
                     loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach().float()
+        if sharded:   # what FSDP2 sent, in the ledger
+            dp_shard.record(run.raw_model, LEDGER, run.place.group("dp"), run.micro_steps)
     parallel.reduce_tied_grad(run.raw_model, run.pp_group)
     clip = run.tc.grad_clip if run.tc.grad_clip > 0 else float("inf")
     grad_norm = parallel.clip_grad_norm(run.raw_model, clip, run.pp_group)

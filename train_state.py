@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import dp_shard
 import integrity
 import model as llama
 from tokenizer import identity as tokenizer_identity
@@ -47,21 +48,27 @@ def _pieces(raw_model):
     return out
 
 
-def state_views(raw_model, optimizer, mesh):
+def state_views(raw_model, optimizer, mesh, copies=None):
     """{key: tensor} of views into this rank's parameters and AdamW moments, under single-device
-    names; DTensors on the (dp, tp) mesh when distributed. DCP saves from them and loads into them."""
+    names; DTensors on the (dp, tp) mesh when distributed. DCP saves from them and loads into them.
+    Under --dp_shard (dp_shard.py) they view gathered copies of the dp shards, listed in `copies`
+    as (shard, copy)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     for p in raw_model.parameters():  # AdamW makes its state lazily: make it now, to load into
         if not optimizer.state[p]:
             optimizer.state[p].update(step=torch.zeros(()), **{k: torch.zeros_like(p) for k in MOMENTS})
-    views = {}
+    views, gathered = {}, {}   # gathered: under --dp_shard, each dp-sharded tensor whole (a copy)
     for p, name, rows, dim in _pieces(raw_model):
         for key, tensor in [("model." + name, p.data)] + [(f"optim.{k}.{name}", optimizer.state[p][k]) for k in MOMENTS]:
+            if dp_shard.is_sharded(tensor):   # the file holds the TP-local tensors whole, whatever dp_shard
+                tensor = gathered.setdefault(id(tensor), (tensor, dp_shard.whole(tensor)))[1]
             view = tensor[rows]
             if mesh is not None:
                 view = DTensor.from_local(view, mesh, [Replicate(), Replicate() if dim is None else Shard(dim)])
             views[key] = view
     views["optim.step"] = optimizer.state[next(raw_model.parameters())]["step"]
+    if copies is not None:   # load() writes what it read back into the shards
+        copies.extend(gathered.values())
     return views
 
 
@@ -229,12 +236,16 @@ def choose(found, config, tokenizer, log=print):
 
 def load(path, raw_model, optimizer, mesh):
     """Load a checkpoint into this rank's parameters and moments, whatever layout wrote it."""
-    views = state_views(raw_model, optimizer, mesh)
+    copies = []
+    views = state_views(raw_model, optimizer, mesh, copies)
     error = integrity.dcp_load(views, path, no_dist=mesh is None)   # never unpickles code
     if dist.is_initialized():  # all ranks fail together, none is left waiting in a collective
         box = [None] * dist.get_world_size()
         dist.all_gather_object(box, error)
         error = next((e for e in box if e), None)
+    for sharded, copy in copies:   # --dp_shard: this rank's shard of what was read
+        mesh = sharded.device_mesh
+        dp_shard.put_back(sharded, copy, mesh.get_local_rank(), mesh.size())
     if error:
         raise ValueError(error)
     step = views["optim.step"]

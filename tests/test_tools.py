@@ -96,3 +96,16 @@ def test_gpu_check_runs_its_steps_on_a_cpu(tmp_path):
     assert "summary: env ok; kernels ok; train ok; bench skipped" in res.stdout
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "-h"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--budget_s" in res.stdout
+
+
+def test_fsdp_cost_model_orders_memory_and_time():
+    import costmodel_fsdp
+    sh = costmodel_fsdp.SHAPES["7B"]
+    (m_none, t_none, c_none), (m_grad, t_grad, c_grad), (m_full, t_full, c_full) = \
+        (costmodel_fsdp.plan(sh, 16, 4, s) for s in ("none", "grad", "full"))
+    assert m_none > m_grad > m_full and t_grad == t_none and c_full == pytest.approx(1.5 * c_grad) and t_full > t_grad
+    alone = costmodel_fsdp.plan(sh, 16, 1, "full")
+    params = costmodel_fsdp.flops_per_token(sh, "btp", 0) / 6   # FSDP alone: the whole model over 16 ranks
+    assert abs(alone[2] - 3 * 15 / 16 * params * 2 / costmodel_fsdp.HARDWARE["A100"].network) < 1e-9
+    text, out = costmodel_fsdp.report()
+    assert len(out) == 5 * 4 and "| 30B | BTP + DP (t=4, none) |" in text

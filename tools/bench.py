@@ -9,6 +9,7 @@
     python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB in six forms (txt, jsonl, .gz, .zst,
                              # parquet, mixed), --rounds=3: MB/s, tokens/s, memory (bench_data.py)
     python tools/bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
+    python tools/bench.py dp_shard  # DDP vs FSDP2 (--dp_shard=grad, full) at dp=2: ms, peak memory (bench_dp_shard.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices, Triton vs PyTorch,
                              # and a 1B-shaped training step per arch, compile off/on (bench_gpu.py)
 
@@ -24,7 +25,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,40 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-
-
-def train_run(nproc, args, out_dir):
-    """train.py (under torchrun when nproc > 1); returns its metrics records."""
-    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [PY]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
-    args = shape_args(args, [])   # a config file first
-    res = subprocess.run([*launcher, str(ROOT / "train.py"), *args[:1], f"--out_dir={out_dir}", "--sample_tokens=0",
-                          "--log_interval=1", *args[1:]], capture_output=True, text=True, env=env, timeout=3600)
-    if res.returncode:
-        sys.exit(f"train.py {' '.join(args)} failed:\n{res.stderr[-2000:]}")
-    records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
-    return [r for r in records if "event" not in r]
-
-
-def steady(records, key):
-    """Median of `key` over the training records, the first 3 (warm-up) left out."""
-    values = [r[key] for r in records if "loss" in r][3:]
-    return statistics.median(values)
-
-
-def shape_args(extra, default):
-    """train.py's arguments for a bench: a config file among `extra` (configs/*.toml) replaces the
-    bench's default shape and goes first; the other options follow."""
-    files = [a for a in extra if a.endswith(".toml")]
-    return files + [a for a in extra if not a.endswith(".toml")] if files else [*default, *extra]
-
-
-def table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+from bench_common import ROOT, shape_args, steady, table, train_run  # noqa: E402
 
 
 def bench_archs(iters, extra):
@@ -96,35 +63,6 @@ def bench_pp(iters, extra):
                          f"{out[name]['loss']:.4f}"])
     return table(["layout", "processes", "ms/iter", "p2p MB/iter (rank 0)", "TP MB/iter (rank 0)",
                   f"loss at iter {iters - 1}"], rows), out
-
-
-def _traffic_worker(rank, world, store, cfg_kwargs, result):
-    import torch
-    import torch.distributed as dist
-    import layouts
-    import parallel
-    from model import Config, Llama
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    tp = parallel.TP(dist.group.WORLD, rank, world)
-    parallel.LEDGER.name(dist.group.WORLD, "tp")
-    out, b, s = {}, 2, 32
-    for arch, layout, lax in (("full", "megatron", False), ("cola", "vanilla", False), ("cola", "btp", False),
-                              ("cola", "vanilla", True), ("cola", "btp", True)):   # LaX: a crossing layer
-        totals = []
-        for n_layer in (2, 3):   # the difference: layer 2, which crosses under LaX
-            cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer, "block_size": s,
-                            "lax": lax})
-            model = layouts.TPLlama(Llama(cfg), tp, layout)
-            idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-            parallel.LEDGER.reset()
-            model(idx, idx)[1].backward()
-            totals.append([parallel.LEDGER.total("tp", phase) for phase in ("fwd", "bwd")])
-        out[layout + (" lax" if lax else "")] = {"measured": [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)],
-                                                 "formula": list(layouts.per_layer_traffic(layout, cfg)[:2])}
-    if rank == 0:
-        Path(result).write_text(json.dumps(out))
-    parallel.exit_worker(world)
 
 
 VARIANTS = {  # name: (arch, layout or None for one device, recompute, ablations.ablated's options)
@@ -281,25 +219,15 @@ def bench_checkpoint(extra):
             table(["parameters", "GB", "save s (with CRC-32s)", "CRC-32s alone s", "CRC-32 GB/s", "verify s"], rows)), out
 
 
-def bench_traffic(extra, tp):
-    import torch.multiprocessing as mp
-    from model import Config
-    import options
-    cfg, _ = options.parse_args(shape_args(extra, []))
-    kwargs = {k: v for k, v in cfg.shape().items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_traffic_worker, args=(tp, f"{tmp}/store", kwargs, f"{tmp}/out.json"), nprocs=tp,
-                           start_method="spawn")
-        out = json.loads(Path(f"{tmp}/out.json").read_text())
-    cfg = Config(**kwargs)
-    rows = [[layout, *out[layout]["formula"], *[f"{m:g}" for m in out[layout]["measured"]],
-             f"{out[layout]['formula'][0] / out['btp']['formula'][0]:.2f}"] for layout in out]
-    title = f"d={cfg.n_embd}, d_ff={cfg.mlp_width}, kv={cfg.kv_dim}, r={cfg.attn_rank}/{cfg.mlp_rank}, tp={tp}"
-    return title + "\n\n" + table(["layout", "fwd formula", "bwd formula", "fwd measured", "bwd measured",
-                                   "fwd vs btp"], rows), out
+BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu", "dp_shard")
 
 
-BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu")
+def rounds_of(extra, default):
+    """--rounds=N of `data` and `dp_shard` (a usage error unless N >= 1)."""
+    rounds = next((a.split("=", 1)[1] for a in extra if a.startswith("--rounds=")), str(default))
+    if not rounds.isdigit() or int(rounds) < 1:
+        usage_error(f"--rounds={rounds} must be a whole number of at least 1")
+    return int(rounds)
 
 
 def usage_error(msg):
@@ -362,7 +290,8 @@ def main(argv):
     elif what == "pp":
         text, out = bench_pp(iters, extra)
     elif what == "traffic":
-        text, out = bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
+        import bench_traffic
+        text, out = bench_traffic.bench_traffic(extra, 2 if tps == (1, 2, 4) else tps[0])
     elif what == "checkpoint":
         text, out = bench_checkpoint(extra)
     elif what == "gpu":
@@ -375,15 +304,15 @@ def main(argv):
         text, out = bench_gpu.run("cuda", n_layer)
     elif what == "data":
         import bench_data
-        rounds = next((a.split("=", 1)[1] for a in extra if a.startswith("--rounds=")), "3")
-        if not rounds.isdigit() or int(rounds) < 1:
-            usage_error(f"--rounds={rounds} must be a whole number of at least 1")
         try:
-            title, header, rows, note, out = bench_data.bench_data(mb, keep, int(rounds))
+            title, header, rows, note, out = bench_data.bench_data(mb, keep, rounds_of(extra, 3))
         except ValueError as e:   # a missing package
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
+    elif what == "dp_shard":
+        import bench_dp_shard
+        text, out = bench_dp_shard.bench(iters, [a for a in extra if not a.startswith("--rounds=")], rounds_of(extra, 2))
     else:
         import costmodel
         text, out = costmodel.report()

@@ -1,0 +1,46 @@
+"""bench_common.py: what the benches of tools/bench.py share: train.py runs under torchrun, the
+steady-state median of a metric, a config file's place among the arguments, markdown tables.
+
+Not in the BOOST paper (arXiv 2512.12131); the measuring harness of its §7 comparisons here.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def train_run(nproc, args, out_dir):
+    """train.py (under torchrun when nproc > 1); returns its metrics records."""
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [PY]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
+    args = shape_args(args, [])   # a config file first
+    res = subprocess.run([*launcher, str(ROOT / "train.py"), *args[:1], f"--out_dir={out_dir}", "--sample_tokens=0",
+                          "--log_interval=1", *args[1:]], capture_output=True, text=True, env=env, timeout=3600)
+    if res.returncode:
+        sys.exit(f"train.py {' '.join(args)} failed:\n{res.stderr[-2000:]}")
+    records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+    return [r for r in records if "event" not in r]
+
+
+def steady(records, key):
+    """Median of `key` over the training records, the first 3 (warm-up) left out."""
+    values = [r[key] for r in records if "loss" in r][3:]
+    return statistics.median(values)
+
+
+def shape_args(extra, default):
+    """train.py's arguments for a bench: a config file among `extra` (configs/*.toml) replaces the
+    bench's default shape and goes first; the other options follow."""
+    files = [a for a in extra if a.endswith(".toml")]
+    return files + [a for a in extra if not a.endswith(".toml")] if files else [*default, *extra]
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
