@@ -57,11 +57,14 @@ def state_views(raw_model, optimizer, mesh, copies=None):
     for p in raw_model.parameters():  # AdamW makes its state lazily: make it now, to load into
         if not optimizer.state[p]:
             optimizer.state[p].update(step=torch.zeros(()), **{k: torch.zeros_like(p) for k in MOMENTS})
-    views, gathered = {}, {}   # gathered: under --dp_shard, each dp-sharded tensor whole (a copy)
+    views, gathered = {}, {}   # gathered: under --dp_shard, (parameter, kind) -> (its shard, gathered whole)
     for p, name, rows, dim in _pieces(raw_model):
-        for key, tensor in [("model." + name, p.data)] + [(f"optim.{k}.{name}", optimizer.state[p][k]) for k in MOMENTS]:
-            if dp_shard.is_sharded(tensor):   # the file holds the TP-local tensors whole, whatever dp_shard
-                tensor = gathered.setdefault(id(tensor), (tensor, dp_shard.whole(tensor)))[1]
+        for kind, tensor in [("model", p.data)] + [(k, optimizer.state[p][k]) for k in MOMENTS]:
+            if dp_shard.is_sharded(tensor):   # the file holds the TP-local tensors whole, whatever dp_shard;
+                if (id(p), kind) not in gathered:   # one copy a parameter, whose pieces view its rows
+                    gathered[(id(p), kind)] = (tensor, dp_shard.whole(tensor))
+                tensor = gathered[(id(p), kind)][1]
+            key = "model." + name if kind == "model" else f"optim.{kind}.{name}"
             view = tensor[rows]
             if mesh is not None:
                 view = DTensor.from_local(view, mesh, [Replicate(), Replicate() if dim is None else Shard(dim)])

@@ -83,10 +83,12 @@ def test_train_py_sharded_equals_one_process(tmp_path, data_dir, nproc, extra):
 
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_across_dp_shard_settings(tmp_path, data_dir):
-    """Saved from shards (full), loaded into shards (grad) and into one process's whole model."""
+    """Saved from shards (full), loaded into shards (grad; and under BTP at tp=2, whose stacked
+    parameters hold several pieces each) and into one process's whole model."""
     straight = losses(run_train(tmp_path / "one", data_dir, *run_args(data_dir)[1:]))
     torchrun(2, f"--out_dir={tmp_path / 'full'}", *run_args(data_dir, "--max_iters=4", "--dp_shard=full"))
-    for name, nproc, extra in (("grad", 2, ["--dp_shard=grad"]), ("one", 1, [])):
+    for name, nproc, extra in (("grad", 2, ["--dp_shard=grad"]), ("btp", 4, ["--dp_shard=grad", "--tp=2"]),
+                               ("one", 1, [])):
         shutil.copytree(tmp_path / "full" / "checkpoints", tmp_path / f"r-{name}" / "checkpoints")
         res = torchrun(nproc, f"--out_dir={tmp_path / f'r-{name}'}", *run_args(data_dir, "--init_from=resume", *extra))
         assert "resuming from" in res.stdout and "iter_0000004" in res.stdout
