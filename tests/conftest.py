@@ -117,3 +117,27 @@ TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vani
 def small_cfg(arch, n_layer=2, **extra):
     return Config(arch=arch, n_layer=n_layer, n_head=8, n_kv_head=4, n_embd=64, block_size=16,
                   vocab_size=128, attn_rank=16, mlp_rank=24, **extra)
+
+
+def check_tp_step(ref, logits, loss, tp_model, tp_logits, tp_loss, handle, dp_group, share, where):
+    """A TP model's step against the single-device model's, on this rank: its vocab slice of the
+    logits of its share of the batch, the loss averaged over dp, every gradient gathered to full
+    shape, and each replicated parameter's gradient identical on every TP rank."""
+    v = logits.shape[-1] // handle.size
+    torch.testing.assert_close(tp_logits, logits[share][..., handle.tp_rank * v:(handle.tp_rank + 1) * v],
+                               msg=lambda m: f"{where} logits: {m}")
+    mean_loss = tp_loss.detach().clone()
+    dist.all_reduce(mean_loss, group=dp_group)
+    dp = dist.get_world_size(dp_group)
+    torch.testing.assert_close(mean_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
+    grads = tp_model.full_tensors(grads=True)
+    assert grads.keys() == dict(ref.named_parameters()).keys()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{where} grad of {name}: {m}")
+    params = dict(tp_model.named_parameters())
+    for name, spec in tp_model.named_specs():
+        if spec.dim is None:
+            g = params[name].grad
+            peers = [torch.empty_like(g) for _ in range(handle.size)]
+            dist.all_gather(peers, g, group=handle.group)
+            assert all(torch.equal(peer, g) for peer in peers), f"{where}: {name} grads differ"

@@ -18,7 +18,8 @@ import layouts
 import parallel
 import train_state
 from checkpointing import SavedBytes
-from conftest import ROOT, TINY, command, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
+from conftest import (ROOT, TINY, check_tp_step, command, expect_error, losses, metrics, run_train, small_cfg,
+                      spawn, torchrun)
 from lax import factor_pair
 from model import Bottleneck, Llama
 
@@ -149,23 +150,7 @@ def _equivalence_worker(rank, world, meshes):
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], idx[share])
             tp_loss.backward()
-            v = 128 // tp
-            torch.testing.assert_close(tp_logits, logits[share][..., handle.tp_rank * v:(handle.tp_rank + 1) * v],
-                                       msg=lambda m: f"{where} logits: {m}")
-            mean_loss = tp_loss.detach().clone()
-            dist.all_reduce(mean_loss, group=mesh.get_group("dp"))
-            torch.testing.assert_close(mean_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
-            grads = tp_model.full_tensors(grads=True)
-            assert grads.keys() == dict(ref.named_parameters()).keys()
-            for name, p in ref.named_parameters():
-                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{where} grad of {name}: {m}")
-            for name, spec in tp_model.named_specs():   # the replicated gates and LayerNorms agree exactly
-                if spec.dim is None:
-                    g = dict(tp_model.named_parameters())[name].grad
-                    peers = [torch.empty_like(g) for _ in range(tp)]
-                    dist.all_gather(peers, g, group=handle.group)
-                    assert all(torch.equal(peer, g) for peer in peers), f"{where}: {name} grads differ"
+            check_tp_step(ref, logits, loss, tp_model, tp_logits, tp_loss, handle, mesh.get_group("dp"), share, where)
         dist.barrier()
 
 

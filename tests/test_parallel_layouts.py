@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import layouts
 import parallel
 from ablations import ablated
-from conftest import TINY, TP_CASES, losses, metrics, run_train, small_cfg, spawn, torchrun
+from conftest import TINY, TP_CASES, check_tp_step, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama
 
 
@@ -42,26 +42,10 @@ def _equivalence_worker(rank, world, meshes):
             tp_logits, tp_loss = model(idx[share], tgt[share])
             tp_loss.backward()
             tp_model.reduce_tied_grad()
-            v = cfg.vocab_size // tp
-            torch.testing.assert_close(tp_logits, logits[share][..., tp_handle.tp_rank * v:(tp_handle.tp_rank + 1) * v],
-                                       msg=lambda m: f"{where} logits: {m}")
-            mean_loss = tp_loss.detach().clone()
-            dist.all_reduce(mean_loss, group=mesh.get_group("dp"))
-            torch.testing.assert_close(mean_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
-            grads = tp_model.full_tensors(grads=True)
-            assert grads.keys() == dict(ref.named_parameters()).keys()
-            for name, p in ref.named_parameters():
-                torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{where} grad of {name}: {m}")
+            check_tp_step(ref, logits, loss, tp_model, tp_logits, tp_loss, tp_handle, mesh.get_group("dp"), share, where)
             full = tp_model.full_tensors()
             for name, p in ref.named_parameters():
                 assert torch.equal(full[name], p.detach()), f"{where}: {name} does not unshard exactly"
-            for name, spec in tp_model.named_specs():  # replicated parameters get identical gradients
-                if spec.dim is None:
-                    g = dict(tp_model.named_parameters())[name].grad
-                    peers = [torch.empty_like(g) for _ in range(tp)]
-                    dist.all_gather(peers, g, group=tp_handle.group)
-                    assert all(torch.equal(peer, g) for peer in peers), f"{where}: {name} grads differ"
         dist.barrier()
 
 
