@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import dp_shard
 import kernels
 import lax
 from checkpointing import run_layers
@@ -340,8 +341,8 @@ class TPLlama(Sharded):
         d/t columns under btp, the head's V/t rows): their sum over TP is the single-device gradient."""
         if self.tied and getattr(self, "tok_emb", None) is not None and self.tok_emb.grad is not None:
             g = self.tok_emb.grad   # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
-            summed = all_reduce(g.to_local() if hasattr(g, "to_local") else g, self.tp.group, "grad")
-            if not hasattr(g, "to_local"):
+            summed = all_reduce(dp_shard.local(g), self.tp.group, "grad")
+            if not dp_shard.is_sharded(g):   # (a shard is summed in place)
                 self.tok_emb.grad = summed
 
     def forward(self, x, targets=None):

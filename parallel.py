@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+import dp_shard
 import kernels
 
 
@@ -321,11 +322,10 @@ def clip_grad_norm(model, max_norm, pp_group=None):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in tp_model.parameters():
             if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g = dp_shard.local(p.grad)
                 g.mul_(coef.to(g.dtype))
         return norm
-    norm = torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm   # (a DTensor under --dp_shard)
+    return dp_shard.whole(torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm))   # (a DTensor under --dp_shard)
 
 
 def all_reduce_grads(model, dp_group):

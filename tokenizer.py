@@ -106,8 +106,11 @@ class HuggingFace:
 
     def __init__(self, path):
         lib = need("tokenizers", f"the tokenizer {path}")
-        self.tok = lib.Tokenizer.from_file(str(path))
-        self.cont = lib.Tokenizer.from_str(json.dumps(_no_prefix(json.loads(Path(path).read_text()))))
+        text = Path(path).read_text(encoding="utf-8")
+        self.tok = lib.Tokenizer.from_str(text)
+        spec = json.loads(text)
+        stripped = _no_prefix(spec)   # a second tokenizer only where the file prepends a "▁"
+        self.cont = self.tok if stripped == spec else lib.Tokenizer.from_str(json.dumps(stripped))
         self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
         eos = _configured_eos(path.parent / "tokenizer_config.json")
         special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
