@@ -18,7 +18,11 @@ One layer under BTP, segments [ ... ], all-reduces between them (b s elided; t =
    [σ(H/rms) -> B_q,B_k,B_v -> attention on local heads -> A_o partial] -> AR(r) ->
    [σ -> B_o -> x' = x + .  -> RMSNorm·A_gu partial] -> AR(2r+1) ->
    [σ(H/rms) -> B_gate,B_up -> gate·up (f/t) -> A_down partial] -> AR(r) ->
-   [σ -> B_down -> x'' = x' + . -> next layer's RMSNorm·A_qkv partial] -> AR(3r+1) -> ...
+   [σ -> B_down -> x'' = x' + .]   [next layer: x'' -> RMSNorm·A_qkv partial] -> AR(3r+1) -> ...
+
+(The residual x'' ends one layer's last segment and starts the next layer's first: it is kept once,
+as the input of both. A segment never spans two layers, so each layer's segments run inside one
+call of it, `layer.call`, which FSDP2 all-gathers the layer's parameters around: dp_shard.py.)
 
 Saved per token per layer with `lowrank` (e = bytes per activation element; with rank ra for
 attention and rm for the MLP):
@@ -39,6 +43,7 @@ every row above, with `lowrank` and with `layer` alike, each layer keeps (4·ra 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import dp_shard
 import model as llama
 from lax import cross_group
 
@@ -102,12 +107,15 @@ def _whole_layer(layer):
     return lambda x, cos, sin, *lat: layer(x, cos, sin, tuple(lat) or None)
 
 
-def _down_then_next(block, nxt):
-    """The segment that crosses a layer boundary: B_down, the residual add, the next A_qkv partial."""
-    def fn(u, x, p):
-        x, h = block.down_chunk(u, x, p)
-        return x, h, nxt.qkv_down(x)
-    return fn
+def _lowrank_layer(layer, x, cos, sin, p):
+    """One layer's segments; p: the previous layer's latents of q|k|v, o, gate|up, down (LaX)."""
+    b = OneDeviceChunks(layer) if isinstance(layer, llama.Block) else layer
+    partial = _segment(b.qkv_down, x)
+    partial, h_qkv = _segment(b.attn_chunk, b.reduce(partial), cos, sin, p[0])
+    x, partial, h_o = _segment(b.o_chunk, b.reduce(partial), x, p[1])
+    partial, h_gu = _segment(b.mlp_chunk, b.reduce(partial), p[2])
+    x, h_down = _segment(b.down_chunk, b.reduce(partial), x, p[3])
+    return x, (h_qkv, h_o, h_gu, h_down)
 
 
 def run_layers(layers, x, cos, sin, recompute, lat=None):
@@ -122,19 +130,10 @@ def run_layers(layers, x, cos, sin, recompute, lat=None):
         for layer in layers:   # (the latents as arguments of their own: checkpoint keeps those it is given)
             x, lat = _segment(_whole_layer(layer), x, cos, sin, *(lat or ()))
         return x, lat
-    blocks = [OneDeviceChunks(b) if isinstance(b, llama.Block) else b for b in layers]
-    p = lat or (None,) * 4                      # the latents of q|k|v, o, gate|up, down (LaX)
-    partial = _segment(blocks[0].qkv_down, x)
-    for i, b in enumerate(blocks):
-        partial, h_qkv = _segment(b.attn_chunk, b.reduce(partial), cos, sin, p[0])
-        x, partial, h_o = _segment(b.o_chunk, b.reduce(partial), x, p[1])
-        partial, h_gu = _segment(b.mlp_chunk, b.reduce(partial), p[2])
-        if i + 1 < len(blocks):
-            x, h_down, partial = _segment(_down_then_next(b, blocks[i + 1]), b.reduce(partial), x, p[3])
-        else:
-            x, h_down = _segment(b.down_chunk, b.reduce(partial), x, p[3])
-        p = (h_qkv, h_o, h_gu, h_down)
-    return x, (p if blocks[0].lax else None)
+    p = lat or (None,) * 4
+    for layer in layers:   # (through layer.call, which FSDP2 hooks as it hooks forward: dp_shard.py)
+        x, p = layer.call(_lowrank_layer, x, cos, sin, p)
+    return x, (p if layers[0].lax else None)
 
 
 def check_recompute(cfg, recompute):
@@ -153,7 +152,7 @@ class SavedBytes:
         meter.bytes"""
 
     def __init__(self, module):
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.params = {dp_shard.local(p).untyped_storage().data_ptr() for p in module.parameters()}
         self.storages = {}
 
     def pack(self, t):

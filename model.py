@@ -241,6 +241,12 @@ class Block(nn.Module):
         m, lat_mlp = self.mlp(self.mlp_norm(x), prev[4:])
         return x + m, (lat_attn + lat_mlp if self.lax else None)   # (b, s, d)
 
+    def call(self, fn, *args):
+        """fn(self, *args) as a call of this layer: a wrapper that hooks the layer's forward (FSDP2,
+        dp_shard.py) is told of it too, for checkpointing's low-rank segments, which run the layer
+        in pieces and not through forward."""
+        return fn(self, *args)
+
 
 class Llama(nn.Module):
     """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding or not).

@@ -52,6 +52,10 @@ class Sharded(nn.Module):
             self.shard(name, names, None)
         self.crosses, self.lax = bool(pieces), cfg.lax
 
+    def call(self, fn, *args):
+        """fn(self, *args) as a call of this layer (model.Block.call: FSDP2 sees it as a forward)."""
+        return fn(self, *args)
+
     def named_specs(self):
         """(local parameter name, Spec) for every parameter."""
         for prefix, m in self.named_modules():
