@@ -10,28 +10,78 @@ Not in the BOOST paper (arXiv 2512.12131), which leaves ZeRO and FSDP out of sco
   full  ZeRO-3 style (`reshard_after_forward=True`): the same, but a layer's parameters are freed
         after its forward and all-gathered again for its backward.
 
-Each decoder layer is one FSDP unit and the root (embedding, final norm, head) another; the units
-hold each layout's TP-local parameters (layouts.TPLlama: under BTP the (r, d/t) and (d/t, r)
-slices), so FSDP shards over dp what TP already cut. FSDP2 issues its collectives itself; `record`
-counts them in the ledger from the units' sizes.
+Each decoder layer is one FSDP unit and the root (embedding, final norm, head; on a pipeline stage
+what the stage holds) another; the units hold each layout's TP-local parameters (layouts.TPLlama:
+under BTP the (r, d/t) and (d/t, r) slices), so FSDP shards over dp what TP already cut. FSDP2
+issues its collectives itself, through the Counted ones below, so the ledger (and --explain) sees
+each all-gather and reduce-scatter it sends. Under recompute=lowrank a layer runs its segments
+through `layer.call`, registered with FSDP as a forward, so its parameters are gathered around them.
 """
 import torch
 import torch.distributed as dist
 
 MODES = ("none", "grad", "full")
+# (the names of torch 2.13; the older ones before it)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def apply(model, dp_mesh, mode, device, dtype):
+def apply(model, dp_mesh, mode, device, dtype, ledger=None):
     """fully_shard each decoder layer, then the root, over the dp mesh; mixed precision through
-    FSDP's MixedPrecisionPolicy on CUDA in bf16 (bf16 parameters for compute, fp32 reductions)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    FSDP's MixedPrecisionPolicy on CUDA in bf16 (bf16 parameters for compute, fp32 reductions);
+    every collective FSDP sends recorded in `ledger` (parallel.LEDGER)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.startswith("cuda") and dtype == "bfloat16" else MixedPrecisionPolicy()
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mode == "full", mp_policy=policy)
+        register_fsdp_forward_method(layer, "call")   # checkpointing's low-rank segments
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=mode == "full", mp_policy=policy)
-    model.dp_shard = mode
+    if ledger is not None:
+        for unit in [*model.layers, model]:
+            unit.set_custom_all_gather(CountedAllGather(ledger))
+            unit.set_custom_reduce_scatter(CountedReduceScatter(ledger))
+    model.dp_shard, model.dp_place = mode, (dp_mesh.get_local_rank(), dp_mesh.size())
     return model
+
+
+def _phase():
+    """fwd, or bwd where the autograd engine runs it (FSDP's pre-backward all-gather under full)."""
+    return "fwd" if torch._C._current_autograd_node() is None else "bwd"
+
+
+class CountedAllGather:
+    """FSDP2's all-gather as its default sends it, recorded in the ledger first (the gathered
+    elements). FSDP2 calls a custom collective's `allocate` for its buffers, then the collective."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.ledger.record("all_gather", group, output_tensor, _phase())
+        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountedReduceScatter(CountedAllGather):
+    """FSDP2's reduce-scatter of the gradients (op: FSDP's, the dp mean), recorded first (the whole
+    gradient's elements)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.ledger.record("reduce_scatter", group, input_tensor, "grad")
+        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def reshard(model):
+    """Free the gathered parameters where a forward without backward (evaluation, sampling) left
+    them gathered (`grad` keeps them until a backward): the model's parameters are the shards
+    again, as the optimizer and checkpoints hold them."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def is_sharded(t):
@@ -49,34 +99,19 @@ def whole(t):
     return t.full_tensor() if is_sharded(t) else t
 
 
+def rows_held(model, rows):
+    """How many of a tensor's `rows` rows this rank's dp shard holds (FSDP2 cuts dim 0 as
+    torch.chunk does; without --dp_shard all of them)."""
+    if getattr(model, "dp_shard", "none") == "none":
+        return rows
+    dp_rank, dp = model.dp_place
+    parts = torch.chunk(torch.empty(rows, device="meta"), dp)
+    return parts[dp_rank].numel() if dp_rank < len(parts) else 0
+
+
 def put_back(t, gathered, dp_rank, dp):
     """Copy this rank's dp shard of `gathered` (the TP-local tensor) into the sharded `t` (FSDP2
     shards dim 0 as torch.chunk does)."""
     mine, parts = local(t), torch.chunk(gathered, dp, dim=0)
     part = parts[dp_rank] if dp_rank < len(parts) else gathered[:0]   # (fewer rows than ranks: some hold none)
     mine.copy_(part.reshape(mine.shape))
-
-
-def units(model):
-    """The FSDP units, the root last: [(module, its own parameters' elements, their dtype)]."""
-    out = []
-    for m in [*model.layers, model]:
-        own = [p for n, p in m.named_parameters() if m is not model or not n.startswith("layers.")]
-        out.append((m, sum(p.numel() for p in own), own[0].dtype if own else torch.float32))
-    return out
-
-
-def record(model, ledger, dp_group, micro_steps):
-    """The ledger's count of what FSDP2 sent in one step of `micro_steps` micro-batches: per micro-
-    batch each unit's parameters all-gathered before its forward (and again before its backward
-    under `full`), and at the last one its gradients reduce-scattered (the input's elements)."""
-    mode = getattr(model, "dp_shard", "none")
-    if mode == "none" or dist.get_world_size(dp_group) == 1:
-        return
-    for _, n, dtype in units(model):
-        shape = torch.empty(n, dtype=dtype, device="meta")
-        for _ in range(micro_steps):
-            ledger.record("all_gather", dp_group, shape, "fwd")
-            if mode == "full":
-                ledger.record("all_gather", dp_group, shape, "bwd")
-        ledger.record("reduce_scatter", dp_group, shape, "grad")

@@ -8,7 +8,8 @@ Everything printed is recorded from the run, never written from the formulas:
   - a TorchDispatchMode sees every GEMM, attention, embedding and norm op with this rank's local
     shapes; whether it runs in forward, backward or a recompute comes from the autograd engine
     (`torch._C._current_autograd_node`, grad mode), its layer from the last parameter it touched;
-  - parallel.LEDGER's listener sees every collective, in order, with its group and size;
+  - parallel.LEDGER's listener sees every collective, in order, with its group and size (under
+    --dp_shard FSDP2's all-gathers and reduce-scatters too: dp_shard.py records them);
   - checkpointing.SavedBytes's pack hook sees what autograd keeps for backward;
   - torch.utils.flop_counter's formulas count the FLOPs of those ops.
 Shapes are printed in the notation of layouts.py (b·s tokens, d, d/t, r, 3r+1, f/t, V/t, ...). The
@@ -21,13 +22,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 import checkpointing
+import dp_shard
 import kernels
 import parallel
+from notation import Names
 from parallel import LEDGER
 
 ATTENTION = "scaled_dot_product"
 GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.")
-HEADS = ("hd", "heads", "heads/t", "kv_heads/t")
 PREFER = {"btp": ("3r+1", "2r+1", "2r_m+1", "3r", "2r", "2r_m", "r", "r_m", "d"), "megatron": ("d",),
           "vanilla": ("d", "kv", "f")}   # the symbols of each layout's collectives
 # what each collective carries, by layout, phase and width per token (the numbers are recorded)
@@ -42,66 +44,8 @@ CARRIES = {("btp", "fwd", "3r+1"): "q, k, v latents + the norm statistic (online
            ("vanilla", "bwd", "f"): "gradient of A_down's input", ("btp", "bwd", "d"): "gradient of the head's input",
            **{(lay, "fwd", "1"): "cross-entropy over the vocabulary shards: max, target logit, Σexp"
               for lay in ("btp", "megatron", "vanilla")}}
-
-
-class Names:
-    """Sizes -> the symbols of layouts.py's docstring ("d/t", "3r+1"). Where the op says which symbol
-    it is (a parameter's dimension, attention's (b, heads/t, s, hd), a collective of this layout) that
-    one is printed; otherwise every symbol of that size ("d/t=2r")."""
-
-    def __init__(self, cfg, t, b, s):
-        d, ra, rm, f, kv, V = cfg.n_embd, cfg.attn_rank, cfg.mlp_rank, cfg.mlp_width, cfg.kv_dim, cfg.vocab_size
-        self.rm, self.t = ("r" if rm == ra else "r_m"), t
-        self.kv = "kv" if kv != d else "d"
-        table = [("b·s", b * s), ("b", b), ("s", s), ("d", d), ("d/t", d // t), ("f", f), ("f/t", f // t),
-                 *([("kv", kv), ("kv/t", kv // t)] if kv != d else []), ("V", V), ("V/t", V // t), ("hd", cfg.head_dim),
-                 ("heads", cfg.n_head), ("heads/t", cfg.n_head // t), ("kv_heads/t", cfg.n_kv_head // t)]
-        if cfg.lowrank:
-            table += [("r", ra), ("2r", 2 * ra), ("3r", 3 * ra), ("3r+1", 3 * ra + 1), ("r/t", ra // t),
-                      ("3r/t", 3 * ra // t), (self.rm, rm), (f"2{self.rm}", 2 * rm), (f"2{self.rm}+1", 2 * rm + 1),
-                      (f"{self.rm}/t", rm // t), (f"2{self.rm}/t", 2 * rm // t)]
-        self.names = {}
-        for name, value in table if t > 1 else [(n, v) for n, v in table if "/t" not in n]:
-            if value > 1 and name not in self.names.get(value, []):
-                self.names.setdefault(value, []).append(name)
-
-    def size(self, n, prefer=()):
-        names = self.names.get(n, [str(n)])
-        chosen = [m for m in names if m in prefer]
-        return chosen[0] if chosen else "=".join([m for m in names if m not in HEADS] or names)
-
-    def shape(self, shape, prefer=()):
-        return "(" + ", ".join(self.size(n, prefer) for n in shape) + ")"
-
-    def param(self, name, cfg):
-        """A single-device parameter's shape in symbols, from its name: layers.0.attn.q.A.weight -> (r, d)."""
-        parts = name.split(".")
-        if parts[0] in ("tok_emb", "lm_head"):
-            return ("V", "d")
-        if parts[0] == "norm" or parts[2].endswith("norm"):
-            return ("d",)
-        proj = parts[3]
-        out = {"k": self.kv, "v": self.kv, "gate": "f", "up": "f"}.get(proj, "d")
-        inp = "f" if proj == "down" else "d"
-        if not cfg.lowrank:
-            return (out, inp)
-        rank = "r" if parts[2] == "attn" else self.rm
-        if parts[4] == "cross":   # LaX: the LayerNorm and the gate (kron's D and E: r1 x r1, r2 x r2)
-            kind = parts[5]
-            if kind in ("D", "E"):
-                return (f"{rank}{'12'[kind == 'E']}",) * 2
-            return (rank, rank) if kind == "W" and parts[-1] == "weight" else (rank,)
-        return (rank, inp) if parts[4] == "A" else (out, rank)
-
-    def local(self, spec, cfg):
-        """A layout's parameter in symbols, from its Spec: [q.A, k.A, v.A] split on dim 1 -> (3r, d/t)."""
-        full = [self.param(p, cfg) for p in spec.pieces]
-        rows = [f[0] for f in full]
-        sym = [rows[0] if len(rows) == 1 else f"{len(rows)}{rows[0]}" if len(set(rows)) == 1 else "+".join(rows),
-               *full[0][1:]]
-        if spec.dim is not None and self.t > 1:
-            sym[spec.dim] += "/t"
-        return tuple(sym)
+FSDP = {"all_gather": "a unit's parameters for the next ops, gathered over dp (FSDP2)",
+        "reduce_scatter": "its gradients, summed and cut over dp (FSDP2)"}
 
 
 class Recorder(TorchDispatchMode):
@@ -111,7 +55,7 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.names, self.layout, self.events, self.pending, self.section = names, layout, [], [], "embedding"
         specs = dict(model.named_specs()) if hasattr(model, "named_specs") else {}
-        self.params, self.grads, self.flops = {}, {}, 0
+        self.model, self.labels, self.grads, self.flops = model, {}, {}, 0
         first = int(model.layers[0].label.split()[-1]) if hasattr(model.layers[0], "label") else 0  # a stage's
         for full_name, p in model.named_parameters():
             parts = full_name.split(".")
@@ -119,8 +63,17 @@ class Recorder(TorchDispatchMode):
                 ("embedding" if parts[0] == "tok_emb" else "head")
             short = ".".join(parts[2:] if parts[0] == "layers" else parts).removesuffix(".weight")
             symbols = names.local(specs[full_name], model.cfg) if specs else names.param(full_name, model.cfg)
-            self.params[p.untyped_storage().data_ptr()] = (section, short, symbols, tuple(p.shape), p.stride())
+            self.labels[full_name] = (section, short, symbols, tuple(p.shape), p.stride())
             self.grads.setdefault(tuple(p.shape), set()).add(symbols)   # a weight gradient's shape -> symbols
+        self.sharded = getattr(model, "dp_shard", "none") != "none"
+        self.index()
+
+    def index(self):
+        """{storage: label} of the parameters where they are now. Under --dp_shard FSDP2 puts a unit's
+        gathered parameters in place of its shards while it is gathered, in new memory each time
+        (often the memory the unit before it freed), so `param` reads them again at every op."""
+        self.params = {p.untyped_storage().data_ptr(): self.labels[n] for n, p in self.model.named_parameters()
+                       if not dp_shard.is_sharded(p)}
 
     @staticmethod
     def phase():
@@ -129,7 +82,11 @@ class Recorder(TorchDispatchMode):
         return "recompute" if torch.is_grad_enabled() else "bwd"
 
     def param(self, t):
-        return self.params.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
+        if not isinstance(t, torch.Tensor) or dp_shard.is_sharded(t):
+            return None
+        if self.sharded:
+            self.index()
+        return self.params.get(t.untyped_storage().data_ptr())
 
     def symbols(self, t):
         """(label, symbolic shape) of a parameter operand as it is used (transposed: Wᵀ); else None."""
@@ -192,11 +149,11 @@ class Recorder(TorchDispatchMode):
             self.pending.append(self.events[-1])
 
     def collective(self, op, group, phase, tensor, tokens):
-        per_token = tensor.numel() % tokens == 0 and phase != "grad"
+        per_token = tensor.numel() % tokens == 0 and phase != "grad" and op not in FSDP
         prefer = ("d/t", "d") if op == "send" else PREFER.get(self.layout, ())
         width = self.names.size(tensor.numel() // tokens, prefer) if per_token else "-"
         carries = "the residual stream to the next stage" if op == "send" and phase == "fwd" else \
-            "its gradient back to the previous stage" if op == "send" else \
+            "its gradient back to the previous stage" if op == "send" else FSDP[op] if op in FSDP else \
             next((CARRIES[(self.layout, phase, w)] for w in width.split("=") if (self.layout, phase, w) in CARRIES), "")
         text = (f"{group}: " + (f"{width} per token = " if per_token else "") + f"{tensor.numel():,} elements"
                 + (f"  [{carries}]" if carries else ""))
@@ -242,6 +199,8 @@ class SectionBytes(checkpointing.SavedBytes):
         self.recorder, self.by_section = recorder, {}
 
     def pack(self, t):
+        if self.recorder.param(t) is not None:   # a parameter (under --dp_shard, as FSDP2 gathered it)
+            return t
         storage = t.untyped_storage()
         if storage.data_ptr() not in self.params and storage.data_ptr() not in self.storages:
             section = self.recorder.section
@@ -350,7 +309,7 @@ def main(cfg, tc, place, layout, model):
         pipe = parallel.Pipeline(model, mesh, 1, "gpipe", device)
         pipe.run(x, x)        # its first run infers the shapes between stages with an extra forward:
         model.zero_grad(set_to_none=True)   # not recorded
-    elif dp > 1:
+    elif dp > 1 and tc.dp_shard == "none":   # (dp_shard: FSDP2 already holds the model: dp_shard.py)
         ddp = DDP(model, process_group=mesh.get_group("dp"))
         ddp.register_comm_hook(mesh.get_group("dp"), parallel.ledger_ddp_hook)
     events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device", pipe, ddp)
@@ -371,7 +330,8 @@ def report(cfg, tc, place, layout, shape, views, sums, compare):
     (b, s), (coords, view, _) = shape, views[0]
     where = lambda c: ", ".join(f"{k} {v}" for k, v in c.items()) or "one process"
     print(f"explain: {cfg.arch}, {'layout ' + layout if tc.tp > 1 else 'no TP'}, dp={place.dp} pp={tc.pp} tp={tc.tp}, "
-          f"recompute={tc.recompute}, overlap={tc.overlap if tc.tp > 1 else '-'}; one forward and backward of "
+          f"recompute={tc.recompute}, overlap={tc.overlap if tc.tp > 1 else '-'}"
+          + (f", dp_shard={tc.dp_shard}" if tc.dp_shard != "none" else "") + "; one forward and backward of "
           f"b={b} sequences of s={s} tokens per rank" + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
           + ", recorded (t = tp degree)" + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"
                                             if kernels.backend() != "torch" else ""))

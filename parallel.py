@@ -347,11 +347,11 @@ def reduce_tied_grad(model, pp_group=None):
     model.reduce_tied_grad()
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return
-    held = getattr(model, "tok_emb", None)
-    cfg = model.cfg
-    buf = held.grad if held is not None else torch.zeros(cfg.vocab_size, cfg.n_embd, device=model.rope_cos.device)
-    buf = all_reduce(buf, pp_group, "grad")   # (V, d)
-    if held is not None:
+    held, cfg = getattr(model, "tok_emb", None), model.cfg
+    rows = dp_shard.rows_held(model, cfg.vocab_size)   # (under --dp_shard the same dp shard's rows on both)
+    buf = dp_shard.local(held.grad) if held is not None else torch.zeros(rows, cfg.n_embd, device=model.rope_cos.device)
+    buf = all_reduce(buf, pp_group, "grad")   # (V, d), or this dp shard of its rows; in place
+    if held is not None and not dp_shard.is_sharded(held.grad):
         held.grad = buf
 
 

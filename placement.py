@@ -68,5 +68,5 @@ def build_model(cfg, tc, place, layout):
         model = layouts.TPLlama(model, place.tp, "btp")
     model = model.to(place.device)
     if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
-        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, place.device, tc.dtype)
+        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, place.device, tc.dtype, parallel.LEDGER)
     return model, *counts

@@ -233,6 +233,7 @@ def evaluate(run):
                 else:
                     total += sum(run.model(x, y)[1].float() for x, y in run.shares(split, f"eval-{split}", k)) / run.micro_steps
         out[split] = run.mean_over_dp(total / run.tc.eval_iters)
+    dp_shard.reshard(run.raw_model)   # (--dp_shard=grad keeps what forward gathered until a backward)
     run.model.train()
     return out
 
@@ -268,7 +269,8 @@ def train_step(run, iter_num):
     if run.pipe:  # the schedule runs this rank's micro-batches through the stages, forward and backward
         with run.autocast:
             loss_sum = run.pipe.run(*run.whole("train", "train", iter_num))
-        parallel.all_reduce_grads(run.raw_model, run.place.group("dp"))
+        if run.tc.dp_shard == "none":   # (dp_shard: FSDP2 reduce-scatters at the last micro-batch)
+            parallel.all_reduce_grads(run.raw_model, run.place.group("dp"))
     else:
         sharded = run.tc.dp_shard != "none"
         for micro, (x, y) in enumerate(run.shares("train", "train", iter_num)):
@@ -281,8 +283,6 @@ def train_step(run, iter_num):
                     loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach().float()
-        if sharded:   # what FSDP2 sent, in the ledger
-            dp_shard.record(run.raw_model, LEDGER, run.place.group("dp"), run.micro_steps)
     parallel.reduce_tied_grad(run.raw_model, run.pp_group)
     clip = run.tc.grad_clip if run.tc.grad_clip > 0 else float("inf")
     grad_norm = parallel.clip_grad_norm(run.raw_model, clip, run.pp_group)

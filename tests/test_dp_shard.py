@@ -1,7 +1,7 @@
 """test_dp_shard.py: --dp_shard (dp_shard.py, FSDP2 on the dp dimension) against one device: loss and
 every gradient gathered to full shape for btp, vanilla and megatron at dp2 and dp2 x tp2, each
-recompute mode it takes; train.py's runs equal to one process; checkpoints resumed across
-dp_shard settings and layouts; the ledger's count of FSDP's collectives; what it refuses.
+recompute mode it takes, and at dp2 x pp2; the ledger's count of FSDP's collectives; train.py's
+runs equal to one process; checkpoints resumed across dp_shard settings and layouts; what it refuses.
 """
 import copy
 import shutil
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import checkpointing
+from checkpointing import RECOMPUTE
 import dp_shard
 import layouts
 import parallel
@@ -20,13 +21,32 @@ from model import Llama
 CASES = [("cola", "btp"), ("cola", "vanilla"), ("full", "megatron"), ("cola", None)]   # None: model.Llama itself
 
 
+def expected_fsdp_traffic(model, mode):
+    """What FSDP2 sends in one step of one micro-batch, from its units' sizes (the ledger's elements:
+    all-gathers their result, reduce-scatters their input): each unit's parameters gathered for
+    forward, again for backward under full, and its gradients reduce-scattered once."""
+    units = [*model.layers, model]
+    own = [sum(p.numel() for n, p in u.named_parameters() if u is not model or not n.startswith("layers."))
+           for u in units]
+    n = [k for k in own if k]   # (a pipeline stage's root may hold none)
+    expect = {("all_gather", "fwd"): [sum(n), len(n)], ("reduce_scatter", "grad"): [sum(n), len(n)]}
+    if mode == "full":
+        expect[("all_gather", "bwd")] = [sum(n), len(n)]
+    return expect
+
+
+def fsdp_traffic(group_name="dp"):
+    return {(op, phase): [c[0], c[2]] for (op, g, phase), c in parallel.LEDGER.counts.items()
+            if g == group_name and op in ("all_gather", "reduce_scatter")}
+
+
 def _equivalence_worker(rank, world, tp_size):
     dp = world // tp_size
     mesh = parallel.init_mesh(dp, tp_size, "cpu", 120)
     tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp_size)
     dp_rank = mesh.get_local_rank("dp")
-    for (arch, layout), recompute, mode in [(c, r, m) for c in CASES for r in ("none", "layer") for m in ("grad", "full")]:
-        if layout is None and tp_size > 1:
+    for (arch, layout), recompute, mode in [(c, r, m) for c in CASES for r in RECOMPUTE for m in ("grad", "full")]:
+        if (layout is None and tp_size > 1) or (recompute == "lowrank" and arch == "full"):
             continue
         where = f"{arch}/{layout} recompute={recompute} dp_shard={mode} dp={dp} tp={tp_size}"
         torch.manual_seed(0)
@@ -36,10 +56,12 @@ def _equivalence_worker(rank, world, tp_size):
         loss.backward()
         ref.recompute = recompute
         model = layouts.TPLlama(ref, tp, layout) if layout else copy.deepcopy(ref)
-        dp_shard.apply(model, mesh["dp"], mode, "cpu", "float32")
+        dp_shard.apply(model, mesh["dp"], mode, "cpu", "float32", parallel.LEDGER)
         share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+        parallel.LEDGER.reset()
         part = model(idx[share], idx[share])[1]
         part.backward()
+        assert fsdp_traffic() == expected_fsdp_traffic(model, mode), (where, fsdp_traffic())
         mean = part.detach().clone()
         dist.all_reduce(mean, group=mesh.get_group("dp"))
         torch.testing.assert_close(mean / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
@@ -64,6 +86,51 @@ def test_dp2_tp2_sharded_equals_single_device():
     spawn(4, _equivalence_worker, 2, timeout=600)
 
 
+def _pipeline_worker(rank, world):
+    """dp2 x pp2: each stage's TP-local parameters (tp=1) sharded over its dp pair; 2 micro-batches."""
+    mesh = parallel.init_mesh(2, 1, "cpu", 120, 2)
+    tp = parallel.TP(mesh.get_group("tp"), 0, 1)
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    cases = [("cola", "btp", r) for r in RECOMPUTE] + [("cola", "vanilla", r) for r in RECOMPUTE] + \
+        [("full", "megatron", r) for r in ("none", "layer")]
+    for i, ((arch, layout, recompute), mode) in enumerate((c, m) for c in cases for m in ("grad", "full")):
+        tied, schedule = i % 3 == 0, ("1f1b", "gpipe")[i % 2]
+        where = f"{arch}/{layout} recompute={recompute} dp_shard={mode} tied={tied} {schedule} dp2 x pp2"
+        torch.manual_seed(0)
+        ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied), layer_runner=checkpointing.run_layers)
+        idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+        loss = ref(idx, idx)[1]
+        loss.backward()
+        ref.recompute = recompute
+        stage = layouts.TPLlama(ref, tp, layout, stage=pp_rank, stages=2)
+        dp_shard.apply(stage, mesh["dp"], mode, "cpu", "float32", parallel.LEDGER)
+        pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
+        parallel.LEDGER.reset()
+        pipe_loss = pipe.run(idx[dp_rank * 4:(dp_rank + 1) * 4], idx[dp_rank * 4:(dp_rank + 1) * 4]).clone()
+        parallel.reduce_tied_grad(stage, mesh.get_group("pp"))
+        sent, expect = fsdp_traffic(), expected_fsdp_traffic(stage, mode)
+        assert sent[("reduce_scatter", "grad")] == expect[("reduce_scatter", "grad")], (where, sent)  # once a step
+        assert sent[("all_gather", "fwd")][0] >= expect[("all_gather", "fwd")][0], (where, sent)
+        dist.all_reduce(pipe_loss, group=mesh.get_group("dp"))
+        torch.testing.assert_close(pipe_loss / 2, loss.detach(), msg=lambda m: f"{where} loss: {m}")
+        grads = stage.gather_full({n: dp_shard.whole(p.grad) for n, p in stage.named_parameters()})
+        for name, g in grads.items():
+            torch.testing.assert_close(g, dict(ref.named_parameters())[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{where} grad of {name}: {m}")
+        held = [None] * 2
+        dist.all_gather_object(held, sorted(grads), group=mesh.get_group("pp"))
+        assert sorted(set(sum(held, []))) == sorted(n for n, _ in ref.named_parameters()), where
+        norm = parallel.clip_grad_norm(stage, float("inf"), mesh.get_group("pp"))
+        full_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
+        torch.testing.assert_close(norm.double(), full_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{where} norm: {m}")
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_dp2_pp2_sharded_equals_single_device():
+    spawn(4, _pipeline_worker, timeout=600)
+
+
 def run_args(data_dir, *extra):
     return [f"--data_dir={data_dir}", *TINY, "--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8",
             "--batch_size=2", "--gradient_accumulation_steps=4", *extra]
@@ -71,7 +138,7 @@ def run_args(data_dir, *extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, extra", [(2, ["--dp_shard=full", "--recompute=layer"]),
-                                          (4, ["--dp_shard=grad", "--tp=2", "--arch=cola"])])
+                                          (4, ["--dp_shard=grad", "--pp=2", "--arch=cola", "--recompute=lowrank"])])
 def test_train_py_sharded_equals_one_process(tmp_path, data_dir, nproc, extra):
     model_args = [a for a in extra if a.startswith(("--arch", "--recompute"))]
     single = losses(run_train(tmp_path / "one", data_dir, *run_args(data_dir, *model_args)[1:]))
@@ -83,50 +150,23 @@ def test_train_py_sharded_equals_one_process(tmp_path, data_dir, nproc, extra):
 
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_across_dp_shard_settings(tmp_path, data_dir):
-    """Saved from shards (full), loaded into shards (grad; and under BTP at tp=2, whose stacked
-    parameters hold several pieces each) and into one process's whole model."""
+    """Saved from shards (grad, whose evaluation before the save leaves the parameters gathered),
+    loaded into shards (full: under BTP at tp=2, whose stacked parameters hold several pieces each,
+    and on a pipeline) and into one process's whole model."""
     straight = losses(run_train(tmp_path / "one", data_dir, *run_args(data_dir)[1:]))
-    torchrun(2, f"--out_dir={tmp_path / 'full'}", *run_args(data_dir, "--max_iters=4", "--dp_shard=full"))
-    for name, nproc, extra in (("grad", 2, ["--dp_shard=grad"]), ("btp", 4, ["--dp_shard=grad", "--tp=2"]),
+    torchrun(2, f"--out_dir={tmp_path / 'grad'}", *run_args(data_dir, "--max_iters=4", "--dp_shard=grad"))
+    for name, nproc, extra in (("btp", 4, ["--dp_shard=full", "--tp=2"]), ("pp", 4, ["--dp_shard=full", "--pp=2"]),
                                ("one", 1, [])):
-        shutil.copytree(tmp_path / "full" / "checkpoints", tmp_path / f"r-{name}" / "checkpoints")
+        shutil.copytree(tmp_path / "grad" / "checkpoints", tmp_path / f"r-{name}" / "checkpoints")
         res = torchrun(nproc, f"--out_dir={tmp_path / f'r-{name}'}", *run_args(data_dir, "--init_from=resume", *extra))
         assert "resuming from" in res.stdout and "iter_0000004" in res.stdout
         torch.testing.assert_close(torch.tensor(losses(metrics(tmp_path / f"r-{name}"))), torch.tensor(straight[4:]),
                                    rtol=1e-5, atol=1e-5, msg=lambda m: f"resumed with {name}: {m}")
 
 
-def test_ledger_counts_what_fsdp_sends():
-    class Ledger:
-        def __init__(self):
-            self.rows = []
-
-        def record(self, op, group, tensor, phase):
-            self.rows.append((op, phase, tensor.numel()))
-    model = Llama(small_cfg("cola", n_layer=2))
-    model.dp_shard = "full"
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
-
-    class Group:   # a dp group of two, as far as record asks
-        pass
-    ledger = Ledger()
-    orig = dist.get_world_size
-    dist.get_world_size = lambda group=None: 2
-    try:
-        dp_shard.record(model, ledger, Group(), micro_steps=3)
-    finally:
-        dist.get_world_size = orig
-    expect = []
-    for n in [*sizes, root]:
-        expect += [("all_gather", "fwd", n), ("all_gather", "bwd", n)] * 3 + [("reduce_scatter", "grad", n)]
-    assert ledger.rows == expect
-
-
 @pytest.mark.parametrize("world, argv, fragment", [
     (1, ["--dp_shard=full"], "dp_shard=full shards over the data-parallel ranks, and this run has dp=1"),
-    (4, ["--dp_shard=grad", "--pp=2", "--gradient_accumulation_steps=4"], "does not compose with pp > 1"),
-    (2, ["--dp_shard=full", "--recompute=lowrank", "--gradient_accumulation_steps=2"], "recompute=lowrank"),
+    (2, ["--dp_shard=grad", "--compile=true", "--gradient_accumulation_steps=2"], "does not compose with compile=true"),
     (2, ["--dp_shard=zero3"], "dp_shard=zero3 is not one of none, grad, full"),
 ])
 def test_bad_dp_shard(capsys, monkeypatch, tmp_path, world, argv, fragment):

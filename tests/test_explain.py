@@ -103,12 +103,27 @@ def test_explain_pp2_tp2(tmp_path, arch, layout):
 
 
 @pytest.mark.slow
-def test_explain_with_dp_counts_the_gradient_all_reduce(tmp_path):
-    out = explain(2, tmp_path, "--gradient_accumulation_steps=2")
-    _, totals, _, _, _ = parse(out)
+def test_explain_with_dp_counts_the_gradient_all_reduce_or_fsdps_collectives(tmp_path):
+    """dp=2 with DDP: one all-reduce of every gradient; with --dp_shard=full (FSDP2): each unit
+    (a layer, the root) all-gathered for forward and for backward and reduce-scattered once, as the
+    run sent them; the same ops and saved bytes either way (low-rank segments through FSDP too)."""
     cfg, _ = options.parse_args(TINY)
     cfg.vocab_size = options.vocab_size("bytes")
-    assert totals[("dp", "all_reduce", "grad")][1] == Llama(cfg).num_params()
+    n = Llama(cfg).num_params()
+    args = ["--gradient_accumulation_steps=2", "--arch=cola", "--recompute=lowrank"]
+    ddp, fsdp = explain(2, tmp_path / "ddp", *args), explain(2, tmp_path / "fsdp", *args, "--dp_shard=full")
+    (_, ddp_totals, ddp_saved, _, _), (_, totals, saved, _, _) = parse(ddp), parse(fsdp)
+    assert ddp_totals[("dp", "all_reduce", "grad")] == (1, n)
+    units = cfg.n_layer + 1
+    assert {k: v for k, v in totals.items() if k[0] == "dp"} == {
+        ("dp", "all_gather", "fwd"): (units, n), ("dp", "all_gather", "bwd"): (units, n),
+        ("dp", "reduce_scatter", "grad"): (units, n)}
+    assert saved == ddp_saved
+    flops = lambda out: re.search(r"FLOPs on this rank: ([\d,]+)", out).group(1)
+    assert flops(fsdp) == flops(ddp)
+    ops = lambda out: {line for line in out.split("this step's totals")[0].splitlines()[1:]   # (the layers
+                       if line.startswith("    ") and " dp: " not in line}   # differ in where FSDP gathers)
+    assert ops(fsdp) == ops(ddp) and any("attn.q.A" in line for line in ops(fsdp))
 
 
 @pytest.mark.slow
