@@ -26,13 +26,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def apply(model, dp_mesh, mode, device, dtype, ledger=None):
-    """fully_shard each decoder layer, then the root, over the dp mesh; mixed precision through
-    FSDP's MixedPrecisionPolicy on CUDA in bf16 (bf16 parameters for compute, fp32 reductions);
-    every collective FSDP sends recorded in `ledger` (parallel.LEDGER)."""
+def apply(model, dp_mesh, mode, dtype, ledger=None):
+    """fully_shard each decoder layer, then the root, over the dp mesh; in bf16 (`dtype`, the run's
+    compute dtype) mixed precision through FSDP's MixedPrecisionPolicy: fp32 shards, gathered in
+    bf16 for compute, gradients reduced in fp32 (gloo does this on a CPU too); every collective
+    FSDP sends recorded in `ledger` (parallel.LEDGER)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.startswith("cuda") and dtype == "bfloat16" else MixedPrecisionPolicy()
+        if dtype == "bfloat16" else MixedPrecisionPolicy()
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mode == "full", mp_policy=policy)
         register_fsdp_forward_method(layer, "call")   # checkpointing's low-rank segments

@@ -53,6 +53,13 @@ def place_processes(tc, world, dp, device):
     return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), host)
 
 
+def compute_dtype(tc, device):
+    """--dtype as the run computes in: auto is bfloat16 on a GPU that has it, else float32."""
+    if tc.dtype != "auto":
+        return tc.dtype
+    return "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+
+
 def build_model(cfg, tc, place, layout):
     """The model this rank trains, and the full model's parameter and FLOP counts. Every layout is
     cut from the single-device model built from one seed, so every layout starts from the same
@@ -68,5 +75,5 @@ def build_model(cfg, tc, place, layout):
         model = layouts.TPLlama(model, place.tp, "btp")
     model = model.to(place.device)
     if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
-        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, place.device, tc.dtype, parallel.LEDGER)
+        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, compute_dtype(tc, place.device), parallel.LEDGER)
     return model, *counts

@@ -165,8 +165,7 @@ class Run:
         self.micro_steps = tc.gradient_accumulation_steps // place.dp
         self.global_batch = tc.batch_size * tc.gradient_accumulation_steps
         self.tokens_per_iter = self.global_batch * cfg.block_size
-        self.dtype = tc.dtype if tc.dtype != "auto" else \
-            ("bfloat16" if place.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32")
+        self.dtype = placement.compute_dtype(tc, place.device)
         self.autocast = nullcontext() if self.dtype == "float32" else \
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
         self.nonfinite = torch.tensor(-1, device=place.device)  # the first iteration whose gradient was not finite

@@ -56,7 +56,7 @@ def _equivalence_worker(rank, world, tp_size):
         loss.backward()
         ref.recompute = recompute
         model = layouts.TPLlama(ref, tp, layout) if layout else copy.deepcopy(ref)
-        dp_shard.apply(model, mesh["dp"], mode, "cpu", "float32", parallel.LEDGER)
+        dp_shard.apply(model, mesh["dp"], mode, "float32", parallel.LEDGER)
         share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
         parallel.LEDGER.reset()
         part = model(idx[share], idx[share])[1]
@@ -74,7 +74,37 @@ def _equivalence_worker(rank, world, tp_size):
         norm = parallel.clip_grad_norm(model, float("inf"))   # the global norm, from the shards
         full_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
         torch.testing.assert_close(norm.double(), full_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{where} norm: {m}")
+    if tp_size == 1:
+        _check_mixed_precision(mesh, dp_rank, dp)
     dist.barrier()
+
+
+def _check_mixed_precision(mesh, dp_rank, dp):
+    """bf16: FSDP's MixedPrecisionPolicy keeps fp32 shards, gathers them in bf16 (2 bytes an element
+    in the ledger) and reduce-scatters the gradients in fp32 (4 bytes); the step is bf16 autocast's."""
+    torch.manual_seed(0)
+    ref = Llama(small_cfg("cola"))
+    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ref(idx, idx)[1]
+    loss.backward()
+    model = dp_shard.apply(copy.deepcopy(ref), mesh["dp"], "grad", "bfloat16", parallel.LEDGER)
+    share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+    parallel.LEDGER.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        part = model(idx[share], idx[share])[1]
+    part.backward()
+    (elements, nbytes, _), (r_elements, r_bytes, _) = (parallel.LEDGER.counts[k] for k in
+                                                       [("all_gather", "dp", "fwd"), ("reduce_scatter", "dp", "grad")])
+    assert nbytes == 2 * elements and r_bytes == 4 * r_elements, (nbytes, elements, r_bytes, r_elements)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    mean = part.detach().float().clone()
+    dist.all_reduce(mean, group=mesh.get_group("dp"))
+    torch.testing.assert_close(mean / dp, loss.detach().float(), rtol=1e-2, atol=1e-2)
+    for name, p in model.named_parameters():
+        g = dict(ref.named_parameters())[name].grad
+        torch.testing.assert_close(dp_shard.whole(p.grad), g, rtol=5e-2, atol=5e-2 * g.abs().max().item(),
+                                   msg=lambda m: f"bf16 {name}: {m}")
 
 
 def test_dp2_sharded_equals_single_device():
@@ -103,7 +133,7 @@ def _pipeline_worker(rank, world):
         loss.backward()
         ref.recompute = recompute
         stage = layouts.TPLlama(ref, tp, layout, stage=pp_rank, stages=2)
-        dp_shard.apply(stage, mesh["dp"], mode, "cpu", "float32", parallel.LEDGER)
+        dp_shard.apply(stage, mesh["dp"], mode, "float32", parallel.LEDGER)
         pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
         parallel.LEDGER.reset()
         pipe_loss = pipe.run(idx[dp_rank * 4:(dp_rank + 1) * 4], idx[dp_rank * 4:(dp_rank + 1) * 4]).clone()
