@@ -74,6 +74,13 @@ def _equivalence_worker(rank, world, tp_size):
         norm = parallel.clip_grad_norm(model, float("inf"))   # the global norm, from the shards
         full_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
         torch.testing.assert_close(norm.double(), full_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{where} norm: {m}")
+        params = dict(model.named_parameters())
+        for name, spec in (model.named_specs() if layout and tp_size > 1 else ()):
+            if spec.dim is None:   # replicated over TP: this dp shard of its gradient the same on each TP rank
+                g = dp_shard.local(params[name].grad)
+                peers = [torch.empty_like(g) for _ in range(tp_size)]
+                dist.all_gather(peers, g, group=mesh.get_group("tp"))
+                assert all(torch.equal(peer, g) for peer in peers), f"{where}: {name}'s gradient differs over TP"
     if tp_size == 1:
         _check_mixed_precision(mesh, dp_rank, dp)
     dist.barrier()

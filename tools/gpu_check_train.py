@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--n_kv_head=4", "--block_size=256", "--batch_size=8",
        "--max_iters=30", "--lr_decay_iters=30", "--eval_interval=15"]
-CPU = ["--n_layer=2", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--batch_size=4",
-       "--max_iters=6", "--lr_decay_iters=6", "--eval_interval=3"]
+CPU = ["--n_layer=2", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--batch_size=2",
+       "--max_iters=4", "--lr_decay_iters=4", "--eval_interval=2"]   # (interpreted Triton: seconds a step)
 TOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
 
@@ -28,7 +28,7 @@ def plan(cpu):
     dtypes = ["float32"] if cpu else ["float32", "bfloat16"]
     impls = ["torch", "triton"] if cpu else ["torch", "triton", "auto"]   # (auto on a CPU is the reference)
     runs = {f"{k}-{d}": [f"--kernels={k}", f"--dtype={d}"] for k in impls for d in dtypes}
-    runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32", f"--max_iters={3 if cpu else 15}"]  # then resumed
+    runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32", f"--max_iters={2 if cpu else 15}"]  # then resumed
     runs["lowrank-float32"] = ["--kernels=triton", "--dtype=float32", "--recompute=lowrank"]
     if not cpu:
         runs["compiled-bfloat16"] = ["--kernels=auto", "--dtype=bfloat16", "--compile=true"]
