@@ -12,9 +12,9 @@ Everything printed is recorded from the run, never written from the formulas:
     --dp_shard FSDP2's all-gathers and reduce-scatters too: dp_shard.py records them);
   - checkpointing.SavedBytes's pack hook sees what autograd keeps for backward;
   - torch.utils.flop_counter's formulas count the FLOPs of those ops.
-Shapes are printed in the notation of layouts.py (b·s tokens, d, d/t, r, 3r+1, f/t, V/t, ...). The
-comparison at the end runs the other layouts of the same width on the same TP group, a one-layer
-and a two-layer model each, so their difference is one layer's.
+Shapes are printed in the notation of layouts.py (b·s tokens, d, d/t, r, 3r+1, f/t, V/t, ...;
+notation.py names them). The comparison at the end runs the other layouts of the same width on the
+same TP group, a one-layer and a two-layer model each, so their difference is one layer's.
 """
 import torch
 import torch.distributed as dist

@@ -1,8 +1,9 @@
 """notation.py: explain.py's notation, sizes named by the symbols of layouts.py's docstring.
 
-BOOST (arXiv 2512.12131) writes every tensor of a layer in a few symbols: d the width, r the
-bottleneck rank, f the MLP width, t the tensor-parallel degree, V the vocabulary, and their
-combinations (3r+1 for the q, k, v latents with the online RMSNorm's statistic, d/t a BTP slice).
+BOOST (arXiv 2512.12131, §2-6, as explain.py teaches them) writes every tensor of a layer in a few
+symbols: d the width, r the bottleneck rank, f the MLP width, t the tensor-parallel degree, V the
+vocabulary, and their combinations (3r+1 for the q, k, v latents with the online RMSNorm's
+statistic, d/t a BTP slice).
 `--explain` prints the shapes it records in these symbols, so a reader sees (b·s, 3r+1), not (14, 49).
 """
 
