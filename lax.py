@@ -81,8 +81,6 @@ def cross_group(crossings, z, h_prev):
                  torch.stack([c.norm.bias for c in crossings]))
 
 
-
-
 # ------------------------------------------------------------- the layouts' view: grouped, stacked
 
 GROUPS = {"qkv": ("attn.q", "attn.k", "attn.v"), "o": ("attn.o",), "gu": ("mlp.gate", "mlp.up"),

@@ -3,7 +3,7 @@
 BOOST (arXiv 2512.12131) sections 2-4 cut one model three ways (layouts.py). Every local parameter
 carries a `Spec`: which full-model parameters it is cut from, along which dim, and how many rows of
 each it holds. From the Specs alone a layout's model is cut (`Sharded.shard`), gathered back to the
-full model's names and shapes (`unshard`, which checkpoints, exports and the tests use), and its
+full model's names and shapes (`gather_full`, which checkpoints, exports and the tests use), and its
 gradient norm counted once per parameter (`grad_norm_sq`).
 """
 from dataclasses import dataclass
@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import dp_shard
 import lax
+from model import Block
 
 
 @dataclass
@@ -52,9 +53,7 @@ class Sharded(nn.Module):
             self.shard(name, names, None)
         self.crosses, self.lax = bool(pieces), cfg.lax
 
-    def call(self, fn, *args):
-        """fn(self, *args) as a call of this layer (model.Block.call: FSDP2 sees it as a forward)."""
-        return fn(self, *args)
+    call = Block.call   # fn(self, *args) as a call of this layer, which FSDP2 sees as a forward
 
     def named_specs(self):
         """(local parameter name, Spec) for every parameter."""
