@@ -21,6 +21,8 @@ safetensors files or, for a pytorch_model.bin, with weights_only=True (interchan
 checkpoint folder may hold `.metadata`, `*.distcp` shards and `meta.json`; an import folder
 `config.json` and `model.safetensors` (or `pytorch_model.bin`); nothing in them is ever executed.
 """
+import collections
+import dataclasses
 import json
 import logging
 import os
@@ -31,36 +33,161 @@ import zlib
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+    TensorStorageMetadata)
 
 from data import crc32   # noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
 
-# (module, name) of everything a DCP .metadata pickle of this project refers to
-ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
-    "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+# ------------------------------------------------------------------------ .metadata, read as data
+
+def _path(*parts):
+    """pathlib.PosixPath(*parts) as a plain string (DCP records the folder it saved to)."""
+    if not all(isinstance(p, str) for p in parts):
+        raise pickle.UnpicklingError("a path in .metadata is not made of strings")
+    return os.path.join(*parts) if parts else ""
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """An Unpickler that finds only the ALLOWED names and torch's dtypes."""
+def _size(dims=()):
+    """torch.Size(dims), of integers only."""
+    if not isinstance(dims, (tuple, list)) or not all(type(d) is int and d >= 0 for d in dims):
+        raise pickle.UnpicklingError("a size in .metadata is not a tuple of integers")
+    return torch.Size(dims)
+
+
+def _layout(name):
+    """torch.serialization._get_layout without its cache: a layout by its name."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if name not in layouts:
+        raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
+    return layouts[name]
+
+
+def _ordered(*items):
+    return collections.OrderedDict(*items)
+
+
+# (module, name) -> what a reference to it in .metadata gives: plain functions that check their
+# arguments, never the named class or function itself (pickle's BUILD sets attributes on whatever
+# object it is handed, a class or function included: nothing of the process is handed out)
+FUNCTIONS = {("pathlib", "PosixPath"): _path, ("torch", "Size"): _size,
+             ("torch.serialization", "_get_layout"): _layout, ("collections", "OrderedDict"): _ordered,
+             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING}
+# the dataclasses DCP's metadata is made of: made empty (NEWOBJ), then given their own fields (BUILD)
+DATACLASSES = {("torch.distributed.checkpoint.metadata", c.__name__): c for c in (
+    Metadata, StorageMeta, MetadataIndex, ChunkStorageMetadata, TensorProperties,
+    TensorStorageMetadata)} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo}
+ALLOWED = set(FUNCTIONS) | set(DATACLASSES)
+
+
+class MetadataUnpickler(pickle._Unpickler):
+    """Reads a DCP .metadata as data: the pure-Python Unpickler with four opcodes restricted.
+    A name is looked up only in FUNCTIONS, DATACLASSES and torch's dtypes; REDUCE calls only
+    FUNCTIONS; NEWOBJ makes only an empty DATACLASSES instance; BUILD sets only such an
+    instance's own dataclass fields (TensorProperties: its 5-tuple of checked types)."""
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module, name):
-        if (module, name) in ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        found = FUNCTIONS.get((module, name)) or DATACLASSES.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        return found
+
+    def load_reduce(self):
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if func not in FUNCTIONS.values() or not isinstance(args, tuple):
+            raise pickle.UnpicklingError(f".metadata calls {func!r}, which a checkpoint never does")
+        try:
+            self.stack[-1] = func(*args)
+        except (TypeError, ValueError) as e:
+            raise pickle.UnpicklingError(f".metadata holds a bad value ({e})") from None
+
+    def load_newobj(self):
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if cls not in DATACLASSES.values() or args != ():
+            raise pickle.UnpicklingError(f".metadata makes a {cls!r}, which a checkpoint never does")
+        self.append(object.__new__(cls))
+
+    def load_build(self):
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if type(inst) not in DATACLASSES.values():
+            raise pickle.UnpicklingError(f".metadata sets attributes of {inst!r}, which a checkpoint never does")
+        if type(inst) is TensorProperties:
+            return _properties(inst, state)
+        names = {f.name for f in dataclasses.fields(inst)}
+        if not isinstance(state, dict) or not set(state) <= names or not all(type(k) is str for k in state):
+            raise pickle.UnpicklingError(f".metadata gives a {type(inst).__name__} fields it has not")
+        for f in dataclasses.fields(inst):   # the defaults first: a field left out still exists
+            if f.default is not dataclasses.MISSING:
+                inst.__dict__[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                inst.__dict__[f.name] = f.default_factory()
+        inst.__dict__.update(state)   # (MetadataIndex is frozen: its __dict__, as pickle does)
+
+    def refuse(self):
+        raise pickle.UnpicklingError(".metadata uses a pickle opcode a checkpoint never does")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.BUILD[0]] = load_build
+    for _op in (pickle.NEWOBJ_EX, pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = refuse
+
+
+def _properties(inst, state):
+    """TensorProperties.__setstate__ on a state whose types are checked first."""
+    kinds = (torch.dtype, torch.layout, bool, _MEM_FORMAT_ENCODING, bool)
+    if not (isinstance(state, tuple) and len(state) == 5 and all(map(isinstance, state, kinds))):
+        raise pickle.UnpicklingError(".metadata gives a TensorProperties a state it never has")
+    inst.__setstate__(state)
+
+
+def check_metadata(metadata, files):
+    """UnpicklingError unless `metadata` is DCP's Metadata of tensors whose every item reads a
+    stretch of one of `files` (the folder's plain files, as meta.json lists them), untransformed."""
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+    items = metadata.state_dict_metadata
+    if not isinstance(items, dict) or not all(
+            isinstance(k, str) and type(v) is TensorStorageMetadata for k, v in items.items()):
+        raise pickle.UnpicklingError(".metadata describes something other than tensors")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not storage:
+        raise pickle.UnpicklingError(".metadata names no storage")
+    for index, info in storage.items():
+        ok = type(index) is MetadataIndex and type(info) is _StorageInfo
+        name = info.relative_path if ok else None
+        if not ok or not isinstance(name, str) or name not in files or os.path.basename(name) != name:
+            raise pickle.UnpicklingError(f".metadata reads {name!r}, not a file meta.json lists in "
+                                         "its own folder")
+        if type(info.offset) is not int or type(info.length) is not int or min(info.offset, info.length) < 0 \
+                or info.offset + info.length > files[name] or info.transform_descriptors:
+            raise pickle.UnpicklingError(f".metadata reads past the end of {name}, or through a transform")
 
 
 class Reader(FileSystemReader):
-    """DCP's FileSystemReader, whose .metadata goes through MetadataUnpickler."""
+    """DCP's FileSystemReader, whose .metadata goes through MetadataUnpickler and check_metadata:
+    `files` is {name: bytes} of the files meta.json lists (and checksums)."""
+
+    def __init__(self, path, files):
+        super().__init__(path)
+        self.files, self.refused = files, None   # refused: what read_metadata refused, in words
 
     def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
+        try:
+            with open(os.path.join(self.path, ".metadata"), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            check_metadata(metadata, self.files)
+        except pickle.UnpicklingError as e:
+            self.refused = str(e)
+            raise
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -74,20 +201,22 @@ class Planner(DefaultLoadPlanner):
                                      "never writes and never unpickles")
 
 
-def dcp_load(state, path, no_dist):
-    """torch.distributed.checkpoint.load of `state` from the folder `path`, safely: None, or the one
-    line that says it failed (DCP's own tracebacks and warnings are silenced: the line says it)."""
+def dcp_load(state, path, files, no_dist):
+    """torch.distributed.checkpoint.load of `state` from the folder `path`, whose meta.json lists
+    `files` ({name: {"bytes", "crc32"}}), safely: None, or the one line that says it failed (DCP's
+    own tracebacks and warnings are silenced: the line says it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
     root = logging.getLogger()   # DCP's loader logs its failures with tracebacks on the root logger
     level = root.level
     root.setLevel(logging.CRITICAL)
+    reader = Reader(path, {name: f["bytes"] for name, f in files.items()})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)   # one process means no process group: we know
-            dcp.load(state, storage_reader=Reader(path), planner=Planner(), no_dist=no_dist)
+            dcp.load(state, storage_reader=reader, planner=Planner(), no_dist=no_dist)
     except (Exception, CheckpointException) as e:   # corrupt files: any error of DCP or of unpickling
-        return f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})"
+        return f".metadata or a shard is unreadable or corrupt ({reader.refused or type(e).__name__})"
     finally:
         root.setLevel(level)
     return None
@@ -123,19 +252,38 @@ def check_meta(path, meta):
         raise Damaged(f"meta.json says iteration {meta.get('iter_num')!r}, the folder is {os.path.basename(path)}")
 
 
+def _size_problem(path, name, want):
+    file = os.path.join(path, name)
+    if os.path.islink(file) or (os.path.exists(file) and not os.path.isfile(file)):
+        return f"{name} is not a plain file (a checkpoint holds no links)"
+    if not os.path.exists(file):
+        return f"{name} is missing"
+    if os.path.getsize(file) != want["bytes"]:
+        return f"{name} has {os.path.getsize(file)} bytes, {want['bytes']} were written (truncated)"
+    return None
+
+
+def sizes(path, meta):
+    """None if meta.json lists the checkpoint's .metadata and files of its own folder only, each a
+    plain file of its recorded size, else what failed (the checks that read no file's bytes)."""
+    files = meta["files"]
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "meta.json lists no .metadata"
+    if not all(isinstance(n, str) and os.path.basename(n) == n and n not in ("", ".", "..")
+               for n in files):
+        return "meta.json lists a file outside its own folder"
+    return next((p for p in (_size_problem(path, n, files[n]) for n in sorted(files)) if p), None)
+
+
 def verify(path, meta):
-    """None if every file of the checkpoint has its recorded size and checksum, else what failed.
-    Collective under torchrun: the ranks checksum the files between them."""
+    """None if every file of the checkpoint is as sizes() wants and has its recorded checksum,
+    else what failed. Collective under torchrun: the ranks checksum the files between them."""
+    problem = sizes(path, meta)
+    if problem:
+        return problem
+
     def check(name):
-        file = os.path.join(path, name)
-        want = meta["files"][name]
-        if not os.path.exists(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != want["bytes"]:
-            return f"{name} has {os.path.getsize(file)} bytes, {want['bytes']} were written (truncated)"
-        got = crc32(file)
-        if got != want["crc32"]:
-            return f"{name} fails its checksum (crc32 {got}, {want['crc32']} was written)"
-        return None
+        got, want = crc32(os.path.join(path, name)), meta["files"][name]["crc32"]
+        return None if got == want else f"{name} fails its checksum (crc32 {got}, {want} was written)"
     results = map_over_ranks(sorted(meta["files"]), check)
     return next((results[n] for n in sorted(results) if results[n]), None)

@@ -269,9 +269,9 @@ def checkpoint_state(path):
         raise ValueError(f"checkpoint {path}: {problem}")
     model = llama.Llama(cfg)   # the template DCP loads into (a tied head is the embedding: stored once)
     state = {"model." + name: p.detach() for name, p in model.named_parameters()}
-    error = integrity.dcp_load(state, path, no_dist=True)
+    error = integrity.dcp_load(state, path, meta["files"], no_dist=True)
     if error:
-        raise ValueError(error)
+        raise ValueError(f"checkpoint {path}: {error}")
     state = {k[len("model."):]: v for k, v in state.items()}
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
@@ -294,6 +294,7 @@ def import_folder(folder, out_dir, tokenizer=None):
     --init_from=resume continues under any layout (fresh AdamW moments). Returns its folder."""
     import options
     import rundir
+    rundir.check_place(out_dir)
     kw, state, named = read(folder)
     tokenizer = tokenizer or tokenizer_in(folder) or named   # --tokenizer, else the folder's file, else its name
     if tokenizer is None:

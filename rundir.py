@@ -25,6 +25,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -35,6 +36,21 @@ import uuid
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+
+def check_place(out_dir):
+    """ValueError if out_dir lies inside another run's checkpoints/ folder, whose pruning, overwrite
+    and saves would remove or replace it."""
+    path = os.path.realpath(out_dir)
+    while path != os.path.dirname(path):
+        name, parent = os.path.basename(path), os.path.dirname(path)
+        inside = re.fullmatch(r"iter_\d+(\.tmp)?", name) and os.path.basename(parent) == "checkpoints"
+        if inside or (name == "checkpoints" and any(os.path.exists(os.path.join(parent, f))
+                                                     for f in ("run.json", "run.lock", "metrics.jsonl"))):
+            raise ValueError(f"out_dir {out_dir} is inside the checkpoints of the run in "
+                             f"{parent if not inside else os.path.dirname(parent)}, which removes "
+                             "what it holds when it prunes: choose an out_dir outside it")
+        path = parent
 
 
 def lock(out_dir):

@@ -53,10 +53,12 @@ def main(argv):
     master, held = int(os.environ.get("RANK", "0")) == 0, None
     try:
         cfg, tc = options.parse_args(argv)
-        found = train_state.candidates(tc.out_dir, tc.init_from)
-        if found:  # continue the run: its recorded options, where this launch does not give them again
-            cfg, tc = train_state.resume_options(argv, found, print if master else (lambda *a: None))
+        resume = resume_plan(argv, tc, print if master else (lambda *a: None))
+        if resume:   # continue the run: the options its checkpoint recorded, where argv does not give them
+            cfg, tc = resume.cfg, resume.tc
         cfg.vocab_size = options.vocab_size(tc.tokenizer)
+        if resume:   # the model's shape and the tokenizer, before a corpus is prepared for it
+            train_state.read_meta(resume.found[0], cfg.shape(), tc.tokenizer)
         if tc.tensorboard:
             need("tensorboard", "--tensorboard=true")   # (one line now, not a traceback after the model is built)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -70,9 +72,10 @@ def main(argv):
             explain.main(cfg, tc, place, layout, placement.build_model(cfg, tc, place, layout)[0])
             parallel.finish(world)
             return
+        rundir.check_place(tc.out_dir)
         if master:
             held = rundir.lock(tc.out_dir)   # a second run into this out_dir stops here
-        if not found:
+        if not resume:
             rundir.check_scratch(tc.out_dir, tc.overwrite)
         if master and tc.overwrite:
             rundir.discard(tc.out_dir)
@@ -81,7 +84,7 @@ def main(argv):
         fail(e)
     interrupt = rundir.Interrupt(print if master else (lambda *a: None))
     try:
-        signum = train(cfg, tc, argv, world, dp, layout, device, found, interrupt)
+        signum = train(cfg, tc, argv, world, dp, layout, device, resume, interrupt)
     finally:
         interrupt.restore()
         rundir.unlock(held)
@@ -90,6 +93,30 @@ def main(argv):
 
 
 # ------------------------------------------------------------------------------ setting up a run
+
+def resume_plan(argv, tc, log):
+    """None for a run from scratch; else the train_state.Resume of the newest intact checkpoint in
+    out_dir, with the launch's options (.cfg, .tc): the ones that checkpoint recorded, where argv
+    does not give them again (a changed dataset or seed is said in one line)."""
+    found = train_state.candidates(tc.out_dir, tc.init_from)
+    if not found:
+        return None
+    resume = train_state.intact(found, log)
+    resume.cfg, resume.tc, changed = options.resume_args(argv, resume.record)
+    if changed:
+        log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
+    if resume.meta["iter_num"] >= resume.tc.max_iters:
+        raise ValueError(f"max_iters={resume.tc.max_iters} is not past iteration {resume.meta['iter_num']} "
+                         f"of {resume.found[0]}: nothing to train; pass a larger --max_iters")
+
+    def same(meta):   # an older checkpoint, resumed in its place, must give this launch its options
+        cfg, tc = options.resume_args(argv, train_state.recorded(meta))[:2]
+        theirs, ours = {**cfg.shape(), **asdict(tc)}, {**resume.cfg.shape(), **asdict(resume.tc)}
+        differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+        return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" if differ else None
+    resume.same = same
+    return resume
+
 
 def configure_optimizer(model, tc):
     """AdamW, weight decay on 2-D weights only (matrices and embeddings, not norm gains)."""
@@ -118,7 +145,7 @@ def fault_at(tc, kind, iter_num):
 
 # ------------------------------------------------------------------------------ the run
 
-def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
+def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
     """The run; returns the signal number that interrupted it, or 0. Rank 0 speaks for the job."""
     master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
@@ -127,16 +154,14 @@ def train(cfg, tc, argv, world, dp, layout, device, found, interrupt):
                                       tc.text_field, log)
         splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size) for s in ("train", "val")}
         place = placement.place_processes(tc, world, dp, device)
-        resume_from, resume_meta, skipped = train_state.choose(found, cfg.shape(), tc.tokenizer, log)
-        if resume_from and resume_meta["iter_num"] >= tc.max_iters:
-            raise ValueError(f"max_iters={tc.max_iters} is not past iteration {resume_meta['iter_num']} of "
-                             f"{resume_from}: nothing to train; pass a larger --max_iters")
         raw_model, n_params, flops_per_token = placement.build_model(cfg, tc, place, layout)
         optimizer = configure_optimizer(raw_model, tc)
-        iter_num, run_id = 0, rundir.new_run_id()
-        if resume_from:
-            train_state.load(resume_from, raw_model, optimizer, place.ckpt_mesh)
-            iter_num, run_id = resume_meta["iter_num"], resume_meta.get("run_id", run_id)
+        iter_num, run_id, resume_from, skipped = 0, rundir.new_run_id(), None, []
+        if resume:   # the newest checkpoint that verifies and loads (each one that does not: a line)
+            load = lambda path, meta: train_state.load(path, meta, raw_model, optimizer, place.ckpt_mesh)
+            resume_from, meta, skipped = train_state.choose(resume, cfg.shape(), tc.tokenizer, load,
+                                                            resume.same, log)
+            iter_num, run_id = meta["iter_num"], meta.get("run_id", run_id)
             log(f"resuming from {resume_from} (iteration {iter_num})")
     except ValueError as e:
         fail(e)

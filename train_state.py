@@ -167,28 +167,40 @@ def candidates(out_dir, init_from):
     return found
 
 
-def recorded(found):
-    """The options the newest readable checkpoint of `found` recorded, its model config and training
-    options, for a launch that continues the run; {} if none is readable."""
-    for path in found:
+class Resume:
+    """What a launch resumes from: the checkpoints to try, newest first (`found`), the record of the
+    first (its model config and training options: the launch's options come from it and nothing
+    else), and those already skipped as damaged (removed at the next save)."""
+
+    def __init__(self, found, meta, skipped):
+        self.found, self.meta, self.skipped = found, meta, skipped
+        self.record = recorded(meta)
+
+
+def recorded(meta):
+    """The options a checkpoint's meta.json records: its model config and training options."""
+    return {**meta["config"], **meta.get("train_config", {})}
+
+
+def intact(found, log):
+    """Resume from the newest checkpoint of `found` whose meta.json is as written and whose files
+    are all there at their recorded sizes (the checks that need no process group; each other one
+    is skipped with one line); ValueError if there is none. The checksums are verified in choose."""
+    problems, skipped = [], []
+    for i, path in enumerate(found):
         try:
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-            return {**meta["config"], **meta.get("train_config", {})}
-        except (OSError, KeyError, TypeError, ValueError):
-            continue
-    return {}
-
-
-def resume_options(argv, found, log):
-    """(Config, TrainConfig) of a launch that continues the run in `found`: the model, data and
-    schedule options the run recorded, unless argv gives them again (a changed dataset or seed is
-    said in one line)."""
-    import options
-    cfg, tc, changed = options.resume_args(argv, recorded(found))
-    if changed:
-        log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
-    return cfg, tc
+            meta = read_meta(path)
+            problem = integrity.sizes(path, meta)
+        except integrity.Damaged as e:
+            problem = str(e)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            problem = f"meta.json is unreadable ({type(e).__name__})"
+        if problem is None:
+            return Resume(found[i:], meta, skipped)
+        log(f"skipping checkpoint {path}: {problem}")
+        problems.append(f"{os.path.basename(path)}: {problem}")
+        skipped.append(path)
+    raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} ({'; '.join(problems)})")
 
 
 def read_meta(path, config=(), tokenizer=None):
@@ -214,15 +226,17 @@ def read_meta(path, config=(), tokenizer=None):
     return meta
 
 
-def choose(found, config, tokenizer, log=print):
-    """(folder, meta, the bad ones skipped) of the newest checkpoint in `found` that is whole and
-    matches the model, each bad one skipped with one line; ValueError if none is good or the model's
-    shape differs."""
-    problems, skipped = [], []
-    for path in found:
+def choose(resume, config, tokenizer, load, same, log=print):
+    """(folder, meta, the bad ones skipped) of the newest checkpoint of resume.found that is whole,
+    matches the model, records the options the launch took (same(meta): None or what differs) and
+    loads (load(folder, meta): None or what failed), each bad one skipped with one line, so a
+    checkpoint that cannot be read costs the steps since the previous one; ValueError if none is
+    good or the model's shape differs. Collective under torchrun (the checksums, the load)."""
+    problems, skipped = [], list(resume.skipped)
+    for i, path in enumerate(resume.found):
         try:
             meta = read_meta(path, config, tokenizer)
-            problem = integrity.verify(path, meta)
+            problem = integrity.verify(path, meta) or (same(meta) if i else None) or load(path, meta)
         except integrity.Damaged as e:
             problem = str(e)
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
@@ -232,16 +246,15 @@ def choose(found, config, tokenizer, log=print):
         log(f"skipping checkpoint {path}: {problem}")
         problems.append(f"{os.path.basename(path)}: {problem}")
         skipped.append(path)
-    if found:
-        raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} ({'; '.join(problems)})")
-    return None, None, []
+    raise ValueError(f"no usable checkpoint in {os.path.dirname(resume.found[0])} ({'; '.join(problems)})")
 
 
-def load(path, raw_model, optimizer, mesh):
-    """Load a checkpoint into this rank's parameters and moments, whatever layout wrote it."""
+def load(path, meta, raw_model, optimizer, mesh):
+    """Load a checkpoint into this rank's parameters and moments, whatever layout wrote it: None, or
+    the one line that says why it could not be read (the same on every rank)."""
     copies = []
     views = state_views(raw_model, optimizer, mesh, copies)
-    error = integrity.dcp_load(views, path, no_dist=mesh is None)   # never unpickles code
+    error = integrity.dcp_load(views, path, meta["files"], no_dist=mesh is None)   # never unpickles code
     if dist.is_initialized():  # all ranks fail together, none is left waiting in a collective
         box = [None] * dist.get_world_size()
         dist.all_gather_object(box, error)
@@ -250,8 +263,8 @@ def load(path, raw_model, optimizer, mesh):
         mesh = sharded.device_mesh
         dp_shard.put_back(sharded, copy, mesh.get_local_rank(), mesh.size())
     if error:
-        raise ValueError(error)
+        return error
     step = views["optim.step"]
     for p in raw_model.parameters():
         optimizer.state[p]["step"] = step.clone()
-
+    return None

@@ -333,7 +333,8 @@ def test_export_unsharded_and_generate(tmp_path, data_dir):
     cfg.vocab_size = 320
     direct = Llama(cfg)
     opt = train.configure_optimizer(direct, tc)
-    train_state.load(ckpt, direct, opt, None)  # the sharded checkpoint read by one process
+    meta = train_state.read_meta(ckpt)
+    assert train_state.load(ckpt, meta, direct, opt, None) is None   # the sharded checkpoint, one process
     assert tokenizer == "bytes"
     for (name, a), b in zip(exported.state_dict().items(), direct.state_dict().values()):
         assert torch.equal(a, b), name

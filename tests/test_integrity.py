@@ -101,13 +101,13 @@ def test_damaged_meta_json_is_skipped_with_one_line(capsys, tmp_path, data_dir):
     for bad in (100, "abc"):   # an edit without the checksum, then a consistent lie
         (newest / "meta.json").write_text(json.dumps({**meta, "iter_num": bad}))
         lines = []
-        found, _, skipped = train_state.choose([str(newest), str(older)], meta["config"], "bytes", lines.append)
-        assert found == str(older) and skipped == [str(newest)]
+        resume = train_state.intact([str(newest), str(older)], lines.append)
+        assert resume.found == [str(older)] and resume.skipped == [str(newest)]
         assert lines == [f"skipping checkpoint {newest}: meta.json fails its checksum (edited or damaged)"]
     rewrite_meta(newest, iter_num=100)
     lines = []
     with pytest.raises(ValueError, match="meta.json says iteration 100, the folder is iter_0000004"):
-        train_state.choose([str(newest)], meta["config"], "bytes", lines.append)
+        train_state.intact([str(newest)], lines.append)
     one_line_error(tool("export", newest, tmp_path / "m.pt"), "meta.json says iteration 100")
 
 
@@ -227,3 +227,139 @@ def test_a_damaged_exported_file_is_refused_by_sample(tmp_path, checkpoint):
     raw[len(raw) // 2] ^= 0x01   # inside the tensors' bytes
     (tmp_path / "bad.pt").write_bytes(bytes(raw))
     one_line_error(tool("sample", tmp_path / "bad.pt", 3), "bad.pt fails its checksum (damaged since it was exported)")
+
+
+# ------------------------------------------------------------------------ a folder crafted elsewhere
+
+def build_onto(module, name, key="__truediv__"):
+    """A pickle that BUILDs {key: None} onto the object `module.name`: what sets a class's or a
+    function's attributes in plain pickle (protocol 2 opcodes, written by hand)."""
+    setitem = b"\x8c" + bytes([len(key)]) + key.encode() + b"N" + b"s"
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"}" + setitem + b"b."
+
+
+def test_metadata_builds_onto_nothing_the_unpickler_admits():
+    """BUILD onto every class and function the unpickler admits (and a dtype) is refused, and none of
+    them is changed; so are REDUCE of a dataclass, NEWOBJ with arguments and an unknown field."""
+    import io
+    admitted = sorted(integrity.ALLOWED) + [("torch", "float32")]
+    before = {(m, n): dict(vars(obj)) if hasattr(obj, "__dict__") else None
+              for (m, n) in admitted for obj in [getattr(__import__(m, fromlist=[n]), n)]}
+    for module, name in admitted:
+        for key in ("__truediv__", "__eq__", "cache"):
+            with pytest.raises(pickle.UnpicklingError):
+                integrity.MetadataUnpickler(io.BytesIO(build_onto(module, name, key))).load()
+    for (module, name), attrs in before.items():
+        obj = getattr(__import__(module, fromlist=[name]), name)
+        assert attrs is None or dict(vars(obj)) == attrs, f"{module}.{name} was changed"
+    assert Path("a") / "b" == Path("a/b")
+    meta = "torch.distributed.checkpoint.metadata"
+    for crafted in (b"\x80\x02c" + f"{meta}\nMetadata\n".encode() + b")R.",        # REDUCE a dataclass
+                    b"\x80\x02c" + f"{meta}\nStorageMeta\n".encode() + b"N\x85\x81.",   # NEWOBJ (None,)
+                    b"\x80\x02c" + f"{meta}\nStorageMeta\n".encode() + b")\x81}\x8c\x01xNsb.",  # field x
+                    b"\x80\x02cposix\nsystem\n\x8c\x04true\x85R."):
+        with pytest.raises(pickle.UnpicklingError):
+            integrity.MetadataUnpickler(io.BytesIO(crafted)).load()
+
+
+def test_a_metadata_that_patches_path_steers_nothing(capsys, tmp_path, data_dir, checkpoint, monkeypatch):
+    """The issue's attack: a prefix that BUILDs {'__truediv__': PosixPath} onto pathlib.PosixPath,
+    then the real metadata. Resume and export refuse it in one line and write nothing elsewhere."""
+    real = (checkpoint / ".metadata").read_bytes()
+    prefix = b"\x80\x04cpathlib\nPosixPath\n}\x8c\x0b__truediv__cpathlib\nPosixPath\nsb0"
+    (checkpoint / ".metadata").write_bytes(prefix + real[2:])   # (POP the patched class, then the rest)
+    rewrite_meta(checkpoint)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out_dir = checkpoint.parent.parent
+    expect_error(capsys, [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, "--n_kv_head=4",
+                          "--init_from=resume", "--max_iters=4"], "sets attributes of", "no usable checkpoint")
+    one_line_error(tool("export", checkpoint, tmp_path / "m.pt"), "sets attributes of")
+    assert Path("a") / "b" == Path("a/b") and list(elsewhere.iterdir()) == []
+
+
+def storage_of(ckpt):
+    import io
+    return integrity.MetadataUnpickler(io.BytesIO((ckpt / ".metadata").read_bytes())).load()
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "unlisted", "past_end"])
+def test_metadata_items_read_only_the_files_meta_json_lists(capsys, tmp_path, data_dir, where):
+    """Every item must read a stretch of a plain file of its own folder that meta.json lists: one
+    that names another run's shard (absolute, ../), a file not listed, or bytes past a file's end is
+    refused, and resume falls back to the previous checkpoint; export refuses it."""
+    other = tmp_path / "other"
+    run_train(other, data_dir, "--max_iters=2", "--eval_interval=2", "--seed=7")
+    theirs = next(Path(train_state.checkpoint_dirs(other)[-1]).glob("*.distcp"))
+    out = tmp_path / "run"
+    run_train(out, data_dir, "--max_iters=4", "--eval_interval=2")
+    newest = Path(train_state.checkpoint_dirs(out)[-1])
+    metadata = storage_of(newest)
+    for info in metadata.storage_data.values():
+        info.relative_path = {"absolute": str(theirs), "parent": f"../../../other/checkpoints/"
+                              f"{theirs.parent.name}/{theirs.name}", "unlisted": "x.distcp",
+                              "past_end": info.relative_path}[where]
+        info.offset += 10 ** 9 if where == "past_end" else 0
+    (newest / ".metadata").write_bytes(pickle.dumps(metadata))
+    (newest / "x.distcp").write_bytes(theirs.read_bytes())
+    rewrite_meta(newest)   # (the files it lists and checksums: not x.distcp)
+    one_line_error(tool("export", newest, tmp_path / "m.pt"), "unreadable or corrupt", ".metadata reads")
+    assert not (tmp_path / "m.pt").exists()
+    run_train(out, data_dir, "--max_iters=5", "--init_from=resume")
+    assert f"skipping checkpoint {newest}: .metadata or a shard is unreadable or corrupt (.metadata reads" \
+        in capsys.readouterr().out
+    resume = next(r for r in metrics(out, events=True) if r.get("event") == "resume")
+    assert resume["iter"] == 2
+
+
+def test_resume_takes_its_options_from_the_checkpoint_it_resumes(capsys, tmp_path, data_dir):
+    """An edited meta.json (a learning rate of 0.9, another dataset) fails its checksum: resume skips
+    it, and the options come from the checkpoint resumed from, not from the one skipped."""
+    out = tmp_path / "run"
+    straight = run_train(tmp_path / "straight", data_dir, "--max_iters=6", "--eval_interval=2")
+    run_train(out, data_dir, "--max_iters=4", "--eval_interval=2")
+    newest = Path(train_state.checkpoint_dirs(out)[-1])
+    meta = json.loads((newest / "meta.json").read_text())
+    meta["train_config"].update(learning_rate=0.9, dataset="elsewhere")
+    (newest / "meta.json").write_text(json.dumps(meta))   # the checksum no longer holds
+    (out / "metrics.jsonl").unlink()
+    resumed = run_train(out, data_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    assert capsys.readouterr().out.count(f"skipping checkpoint {newest}") == 1
+    steps = lambda records: {r["iter"]: (r["lr"], r["loss"]) for r in records if "lr" in r}
+    assert steps(resumed) == {i: v for i, v in steps(straight).items() if i >= 2}
+
+
+@pytest.mark.parametrize("damage", ["no_files", "garbage_metadata"])
+def test_a_checkpoint_that_verifies_but_cannot_be_loaded_falls_back(capsys, tmp_path, data_dir, damage):
+    """A checkpoint whose meta.json lists no files (with a correct meta_crc32), or whose .metadata
+    DCP cannot read (its checksum recorded), is skipped with one line: the previous one is used."""
+    out = tmp_path / "run"
+    straight = run_train(tmp_path / "straight", data_dir, "--max_iters=5", "--eval_interval=2")
+    run_train(out, data_dir, "--max_iters=4", "--eval_interval=2")
+    newest = Path(train_state.checkpoint_dirs(out)[-1])
+    if damage == "no_files":
+        rewrite_meta(newest, files={})
+    else:
+        (newest / ".metadata").write_bytes(b"\x80\x04K\x01.")   # a pickle of the number 1
+        rewrite_meta(newest)
+    (out / "metrics.jsonl").unlink()
+    resumed = run_train(out, data_dir, "--max_iters=5", "--eval_interval=2", "--init_from=resume")
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("skipping")]
+    assert len(said) == 1 and str(newest) in said[0], said
+    assert said[0].endswith("meta.json lists no .metadata" if damage == "no_files"
+                            else "unreadable or corrupt (.metadata holds a int, not DCP's Metadata)")
+    steps = lambda records: {r["iter"]: r["loss"] for r in records if "loss" in r}
+    assert steps(resumed) == {i: v for i, v in steps(straight).items() if i >= 2}
+
+
+def test_an_out_dir_inside_a_runs_checkpoints_is_refused(capsys, tmp_path, data_dir):
+    out = tmp_path / "run"
+    run_train(out, data_dir, "--max_iters=2", "--eval_interval=2")
+    for inner in (out / "checkpoints" / "iter_0000002" / "nested", out / "checkpoints" / "mine"):
+        expect_error(capsys, [f"--out_dir={inner}", f"--data_dir={data_dir}", *TINY, "--max_iters=2"],
+                     f"is inside the checkpoints of the run in {out}")
+        assert not inner.exists()
+    fake_folder(tmp_path / "hf")
+    one_line_error(tool("import", tmp_path / "hf", out / "checkpoints" / "x"), "is inside the checkpoints")
+    assert not (out / "checkpoints" / "x").exists()
