@@ -10,8 +10,10 @@ time; pyarrow reads a row group's column whole, so memory is a few times the lar
 pyarrow needs it; zstandard reads .zst). Documents
 are read one at a time and cut into pieces of about PIECE bytes at line ends, and pieces are handed
 out in tasks of about CHUNK bytes across document and file boundaries, so memory does not grow with
-the corpus or with a document. Binary files (a NUL byte in the first 8 KiB) and corrupt .gz files
-are skipped and named, as are rows whose text is missing or not a string.
+the corpus or with a document. Binary files (a NUL byte in the first 8 KiB) and unreadable files
+are skipped and named; a compressed or Parquet file that breaks off (truncated, corrupt) keeps the
+documents read before the damage and is named as damaged; rows whose text is missing or not a
+string are counted.
 """
 import gzip
 import io
@@ -58,13 +60,46 @@ def damaged_errors():
 
 
 def open_stream(raw, packed):
-    """The decompressed bytes of an open file, streamed."""
+    """The decompressed bytes of an open file, streamed (a truncated .gz or .zst raises EOFError
+    where it ends)."""
     if packed == "gz":
         return gzip.GzipFile(fileobj=raw)
     if packed == "zst":
-        import zstandard
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        return io.BufferedReader(Zstd(raw))
     return raw
+
+
+class Zstd(io.RawIOBase):
+    """A .zst file's frames decompressed one after another, ZSTD_IN bytes of input at a time;
+    EOFError where the file ends inside a frame (zstandard's stream_reader ends there silently)."""
+    ZSTD_IN = 8 << 10
+
+    def __init__(self, raw):
+        import zstandard
+        self.raw, self.make = raw, zstandard.ZstdDecompressor().decompressobj
+        self.frame, self.out, self.pos, self.open = self.make(), b"", 0, False   # open: inside a frame
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        while self.pos == len(self.out):
+            self.out, self.pos = b"", 0
+            chunk = self.raw.read(self.ZSTD_IN)
+            if not chunk:
+                if self.open:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            while chunk:
+                if self.frame.eof:   # the previous frame ended: the rest starts the next one
+                    self.frame = self.make()
+                self.out += self.frame.decompress(chunk)
+                chunk = self.frame.unused_data if self.frame.eof else b""
+                self.open = not self.frame.eof
+        n = min(len(buffer), len(self.out) - self.pos)
+        buffer[:n] = memoryview(self.out)[self.pos:self.pos + n]
+        self.pos += n
+        return n
 
 
 def pieces(buf, final):
@@ -111,7 +146,8 @@ class Reader:
         self.dataset, self.opts, self.done_bytes, self.doc = dataset, (*options, by_piece), 0, 0
         self.total_bytes = sum(f.stat().st_size for f in self.files)
         self.item_bytes = 0   # bytes handed to the workers (the embedded corpus has no files to count)
-        self.skipped = []   # binary files, named in the summary
+        self.skipped = []   # binary and unreadable files, named in the summary
+        self.damaged = []   # files that broke off after some documents (those are kept), likewise
 
     @property
     def read_bytes(self):
@@ -134,14 +170,15 @@ class Reader:
         for f in self.files:
             kind, packed = kind_of(f)
             with open(f, "rb") as self.raw:
-                base = self.done_bytes
+                base, used = self.done_bytes, self.item_bytes
                 try:
                     if kind == "parquet":
                         yield from self._parquet(f)
                     else:
                         yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), open_stream(self.raw, packed))
                 except damaged_errors() as e:   # a corrupt .gz, .zst or .parquet: say so, keep what was read
-                    self.skipped.append(f"{f} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})")
+                    why = f"{f} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+                    (self.damaged if self.item_bytes > used else self.skipped).append(why)   # (used: kept)
             self.done_bytes = base + f.stat().st_size
         if self.items:
             yield self.opts, self.items

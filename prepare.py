@@ -276,7 +276,8 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
                     f"eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
     if n["train"] == 0 or n["val"] == 0:
         unit = f"pieces of up to {corpus.PIECE // 1024} KiB" if reader.opts[2] else "documents"
-        where = f"{dataset}" + (f" ({'; '.join(reader.skipped)} skipped)" if reader.skipped else "")
+        where = f"{dataset}" + (f" ({'; '.join(reader.skipped + reader.damaged)} skipped or damaged)"
+                                if reader.skipped or reader.damaged else "")
         raise ValueError(f"{where} is too small to split: {n['docs']} documents, {n['train'] + n['val']} tokens; "
                          f"{n['train_units']} {unit} drew train and {n['val_units']} val (val_fraction {fraction})")
     crcs = {f"{split}_crc32": data.crc32(tmp[split]) for split in ("train", "val")}
@@ -285,6 +286,9 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     seconds = time.time() - t0
     mb = (reader.total_bytes or reader.item_bytes) / 1e6
     notes = [f"{len(reader.skipped)} file(s) skipped (first: {reader.skipped[0]})"] if reader.skipped else []
+    if reader.damaged:
+        notes.append(f"{len(reader.damaged)} damaged file(s) read up to the damage, their documents "
+                     f"until then kept (first: {reader.damaged[0]})")
     if n["bad_bytes"]:
         notes.append(f"{n['bad_bytes']:,} invalid UTF-8 bytes replaced in {len(bad_files)} file(s) (first: {first['bytes']})")
     if n["bad_lines"]:
@@ -295,7 +299,7 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     return {"dtype": np.dtype(token_dtype(enc.n_vocab)).name, "train_tokens": n["train"], "val_tokens": n["val"],
             **crcs, "max_id": max_id, "documents": n["docs"], "train_units": n["train_units"],
             "val_units": n["val_units"], "split_by": "piece" if reader.opts[2] else "document",
-            "skipped_files": reader.skipped, "invalid_utf8_bytes": n["bad_bytes"], "malformed_json_lines": n["bad_lines"],
+            "skipped_files": reader.skipped, "damaged_files": reader.damaged, "invalid_utf8_bytes": n["bad_bytes"], "malformed_json_lines": n["bad_lines"],
             "seconds": seconds}
 
 

@@ -110,6 +110,28 @@ def test_damaged_or_columnless_files_are_skipped_and_named(tmp_path, capsys):
     assert len(skipped) == 2 and "d.parquet (no column 'text'; its columns: body)" in skipped[1]
 
 
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.gz"])
+def test_a_truncated_compressed_file_keeps_what_was_read_and_is_named(tmp_path, suffix):
+    """A .zst (whose reader ended silently) or .gz cut in half beside a good file: its documents
+    before the cut are prepared, and the summary names it as damaged, not skipped."""
+    import gzip
+    import zstandard
+    docs = [f"document {i} " + " ".join(str(i * j) for j in range(40)) for i in range(7200)]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in docs).encode()
+    packed = zstandard.ZstdCompressor().compress(lines) if suffix.endswith("zst") else gzip.compress(lines)
+    src = tmp_path / "c"
+    src.mkdir()
+    (src / f"a{suffix}").write_bytes(packed[:len(packed) // 2])
+    (src / "b.txt").write_text("a good file beside it\n" * 50)
+    logs = []
+    out = prepare.prepare(str(src), "bytes", tmp_path / "d", num_proc=1, log=logs.append)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["skipped_files"] == [] and len(meta["damaged_files"]) == 1, meta
+    assert 3000 < meta["documents"] - 1 < 7200, meta["documents"]   # (the good file is one document)
+    assert f"1 damaged file(s) read up to the damage, their documents until then kept (first: {src}/a{suffix} " \
+        "(EOFError" in logs[-1] and "skipped" not in logs[-1], logs[-1]
+
+
 def test_a_missing_package_is_one_line(tmp_path, monkeypatch, tokenizers_dir):
     import sys
     src, _ = corpus(tmp_path / "c")
