@@ -37,10 +37,10 @@ import torch
 import integrity
 import model as llama
 import train_state
+import weights
 from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, need, write_for_hf
 
 FORMATS = ("hf", "cola")
-WEIGHTS = "model.safetensors"   # what transformers writes by default
 PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n) for n in ("gate", "up", "down")]
 
 
@@ -119,47 +119,17 @@ def to_format(state, cfg, fmt, check_format=True):
     return {k: v.detach().clone().contiguous() if v.device.type != "meta" else v for k, v in out.items()}
 
 
-def _safetensors():
-    """The safetensors package, or a one-line ValueError naming it."""
-    need("safetensors", f"reading or writing {WEIGHTS}")
-    import safetensors.torch
-    return safetensors.torch
-
-
 def write(folder, state, cfg, fmt, tokenizer):
     """A folder in format `fmt` (config.json, model.safetensors); refuses to write into a non-empty one."""
-    tensors, st = to_format(state, cfg, fmt), _safetensors()
+    tensors, st = to_format(state, cfg, fmt), weights.safetensors()
     if os.path.exists(folder) and os.listdir(folder):
         raise ValueError(f"{folder} exists and is not empty: choose another folder")
     tokenizer_identity(tokenizer)   # (a tokenizer file that is gone: one line, before anything is written)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config(cfg, fmt, tokenizer), f, indent=1)
-    st.save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    st.save_file(tensors, os.path.join(folder, weights.WEIGHTS), metadata={"format": "pt"})
     write_for_hf(tokenizer, folder)   # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
-
-
-def read_tensors(folder):
-    """{name: tensor} of a folder's model.safetensors, or of its pytorch_model.bin read as tensors
-    only (torch.load with weights_only=True: a pickle that asks for anything else is refused)."""
-    if os.path.exists(os.path.join(folder, WEIGHTS)):
-        try:
-            return _safetensors().load_file(os.path.join(folder, WEIGHTS))
-        except (OSError, RuntimeError, ValueError) as e:   # safetensors' own errors are these
-            raise ValueError(f"{folder}: {WEIGHTS} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
-    path = os.path.join(folder, "pytorch_model.bin")
-    if not os.path.exists(path):
-        raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor pytorch_model.bin")
-    try:
-        tensors = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError:
-        raise ValueError(f"{folder}: pytorch_model.bin holds more than tensors, and it is not unpickled "
-                         f"(convert it to {WEIGHTS})") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise ValueError(f"{folder}: pytorch_model.bin is unreadable ({type(e).__name__})") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise ValueError(f"{folder}: pytorch_model.bin is not a dict of tensors")
-    return tensors
 
 
 INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -221,21 +191,35 @@ def read(folder):
         cfg = llama.Config(**kw)
     except ValueError as e:
         raise ValueError(f"{folder}: config.json describes no model this project can build ({e})") from None
-    tensors = read_tensors(folder)
-    with torch.device("meta"):
-        expected = llama.Llama(cfg).state_dict()   # the names and shapes the model needs
-    theirs = to_format(expected, cfg, "cola" if cfg.arch == "cola" else "hf", check_format=False)
+    held, theirs = weights.shapes(folder), needed_shapes(cfg)   # (no model built, no tensor read yet)
     for name, want in theirs.items():
-        if name not in tensors:
+        if name not in held:
             raise ValueError(f"{folder}: the weights have no {name}, which config.json's model needs")
-        if tuple(tensors[name].shape) != tuple(want.shape):
-            raise ValueError(f"{folder}: {name} is {tuple(tensors[name].shape)}, config.json's model needs "
-                             f"{tuple(want.shape)}")
-    extra = sorted(set(tensors) - set(theirs) - {"lm_head.weight"})
+        if held[name] != want:
+            raise ValueError(f"{folder}: {name} is {held[name]}, config.json's model needs {want}")
+    extra = sorted(set(held) - set(theirs) - {"lm_head.weight"})
     if extra:
         raise ValueError(f"{folder}: {len(extra)} tensor(s) that config.json's model has no place for, "
                          f"the first {extra[0]}")
-    return kw, from_format(tensors, cfg), c.get("boost_tokenizer")
+    return kw, from_format(weights.load(folder), cfg), c.get("boost_tokenizer")
+
+
+def needed_shapes(cfg):
+    """{name: shape} of the tensors a folder of cfg's model holds, in its format: a model of two
+    layers is built on the meta device, and its last layer's names repeated (no model of cfg's size
+    is built: a config.json may describe one that would not fit)."""
+    small = llama.Config(**{**cfg.shape(), "n_layer": min(cfg.n_layer, 2)})
+    with torch.device("meta"):
+        state = llama.Llama(small).state_dict()
+    named = to_format(state, small, "cola" if cfg.arch == "cola" else "hf", check_format=False)
+    out, last = {}, f".layers.{small.n_layer - 1}."
+    for name, t in named.items():
+        if last in name:
+            out.update({name.replace(last, f".layers.{i}."): tuple(t.shape)
+                        for i in range(small.n_layer - 1, cfg.n_layer)})
+        else:
+            out[name] = tuple(t.shape)
+    return out
 
 
 def from_format(tensors, cfg):
@@ -312,6 +296,7 @@ def import_folder(folder, out_dir, tokenizer=None):
     m.load_state_dict(state)
     tokenizer = keep_tokenizer(tokenizer, out_dir)   # a copy in out_dir/tokenizer/ for the runs that continue it
     meta = {"config": m.cfg.shape(), "tokenizer": tokenizer, "tokenizer_id": tokenizer_identity(tokenizer),
+            "train_config": {"tokenizer": tokenizer},   # (what a resume takes; every other option: its default)
             "run_id": rundir.new_run_id(), "imported_from": folder}
     return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
 

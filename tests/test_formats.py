@@ -173,6 +173,7 @@ def test_train_resume_export_import_with_a_tokenizer_file(tmp_path, tokenizers_d
     res = torchrun(1, f"--out_dir={tmp_path / 'one'}", "--init_from=resume", "--max_iters=8", f"--tokenizer={other}",
                    check=False)
     assert res.returncode == 2 and "pass the same tokenizer" in res.stderr, res.stderr[-500:]
+    assert "data:" not in res.stdout   # (refused before a corpus is prepared for it)
     ckpt = train_state.checkpoint_dirs(tmp_path / "one")[-1]
     res = command(interchange.cli, "export", ckpt, tmp_path / "hf", f"--format={fmt}")
     assert res == (0, ""), res[1]
@@ -182,8 +183,8 @@ def test_train_resume_export_import_with_a_tokenizer_file(tmp_path, tokenizers_d
     assert command(interchange.cli, "import", tmp_path / "hf", tmp_path / "imported") == (0, "")
     kept = tmp_path / "imported" / "tokenizer"
     assert tokenizer.identity(str(kept)) == tokenizer.identity(tok)
-    torchrun(1, f"--out_dir={tmp_path / 'imported'}", "--init_from=resume", f"--dataset={src}", f"--tokenizer={kept}",
-             f"--data_dir={tmp_path / 'd'}", *TINY, "--max_iters=2", "--num_proc=1", "--arch=full")   # (hf holds B·A merged)
+    torchrun(1, f"--out_dir={tmp_path / 'imported'}", "--init_from=resume", f"--dataset={src}",   # (the
+             f"--data_dir={tmp_path / 'd'}", *TINY, "--max_iters=2", "--num_proc=1")   # tokenizer: the record's)
     assert data.get_tokenizer(str(kept)).n_vocab == 400
 
 

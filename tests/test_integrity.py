@@ -175,6 +175,56 @@ def test_import_checks_the_folder_against_its_config(tmp_path, changes, fragment
     assert not (tmp_path / "new" / "checkpoints").exists()
 
 
+def test_a_huge_config_is_refused_from_the_weights_header_before_any_model_is_built(tmp_path, monkeypatch):
+    """4000 layers x 1M width beside a small file: refused from the header's names and shapes, with
+    no model of that size built and no tensor read."""
+    import weights
+    folder = fake_folder(tmp_path / "hf", cfg_changes={"num_hidden_layers": 4000, "hidden_size": 1 << 20,
+                                                        "intermediate_size": 1 << 22, "head_dim": 1 << 18})
+    monkeypatch.setattr(weights, "load", lambda *a: pytest.fail("tensors read before the shapes were checked"))
+    one_line_error(tool("import", folder, tmp_path / "new"), "model.embed_tokens.weight is (320, 32), "
+                   "config.json's model needs (320, 1048576)")
+
+
+def damaged_weights(folder, how):
+    """Damage model.safetensors the ways a folder from elsewhere may be damaged."""
+    import struct
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    if how == "length":
+        raw = struct.pack("<Q", 10 ** 15) + raw[8:]
+    elif how == "not_json":
+        raw = raw[:8] + b"{" * n + raw[8 + n:]
+    elif how in ("past_end", "dtype"):
+        name = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][1])
+        if how == "past_end":   # the last tensor moved 4 KiB on, past the end of the file
+            head[name]["data_offsets"] = [o + 4096 for o in head[name]["data_offsets"]]
+        else:
+            head[name]["dtype"] = "F16"   # the F32 bytes stay: half the shape's worth would be read
+        text = json.dumps(head).encode()
+        raw = struct.pack("<Q", len(text)) + text + raw[8 + n:]
+    if how == "link":
+        path.unlink()
+        path.symlink_to("/etc/passwd")
+        return
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("how, fragment", [
+    ("length", "its header length (1000000000000000) does not fit the file's"),
+    ("not_json", "its header is not JSON"),
+    ("past_end", "bytes overlap another's or lie past the end of the file"),
+    ("dtype", "model.norm.weight is F16 (32,), which is 64 bytes, not the 128 it holds"),
+    ("link", "is not a plain file (a model folder's weights are no link)")])
+def test_a_damaged_safetensors_file_is_one_line(tmp_path, how, fragment):
+    folder = fake_folder(tmp_path / "hf")
+    damaged_weights(folder, how)
+    one_line_error(tool("import", folder, tmp_path / "new"), fragment)
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
 def test_import_command_errors(tmp_path):
     folder = fake_folder(tmp_path / "hf")
     config = json.loads((folder / "config.json").read_text())

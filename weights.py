@@ -1,0 +1,117 @@
+"""weights.py: a model folder's weight files read as data, checked before a tensor is made.
+
+Not in the BOOST paper (arXiv 2512.12131); what makes importing a folder from elsewhere safe
+(interchange.py's import). A `model.safetensors` is an 8-byte little-endian header length, a JSON
+header ({name: {dtype, shape, data_offsets}}) and the tensors' bytes: `header` reads and checks the
+header alone (its length against the file's, every dtype known, every shape a list of integers,
+every tensor's bytes exactly its shape times its dtype's size, inside the file, none overlapping),
+so a folder's names and shapes can be checked against its config.json before a byte of tensor data
+is read. A `pytorch_model.bin` is read with torch.load(weights_only=True): a pickle that asks for
+anything but tensors is refused. A weights file that is a link is refused (it may point anywhere).
+"""
+import json
+import os
+import pickle
+import struct
+
+import torch
+
+from tokenizer import need
+
+WEIGHTS = "model.safetensors"   # what transformers writes by default
+HEADER_MAX = 100 << 20          # bytes: safetensors' own limit on a header
+DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+          "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors():
+    """The safetensors package's torch half, or a one-line ValueError naming it."""
+    need("safetensors", f"reading or writing {WEIGHTS}")
+    import safetensors.torch
+    return safetensors.torch
+
+
+def _plain(path, what):
+    if os.path.islink(path) or not os.path.isfile(path):
+        raise ValueError(f"{what} is not a plain file (a model folder's weights are no link)")
+
+
+def header(path):
+    """{name: shape} of a safetensors file, from its header alone; ValueError with one line where the
+    header is damaged or does not describe the file's bytes."""
+    _plain(path, path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 2 <= n <= min(HEADER_MAX, size - 8):
+            raise ValueError(f"{path}: its header length ({n}) does not fit the file's {size} bytes")
+        try:
+            entries = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{path}: its header is not JSON") from None
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: its header is not a JSON object")
+    entries.pop("__metadata__", None)
+    shapes, spans = {}, []
+    for name, e in entries.items():
+        shapes[name] = _entry(path, name, e)
+        spans.append((e["data_offsets"][0], e["data_offsets"][1], name))
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start < end or stop > size - 8 - n:
+            raise ValueError(f"{path}: {name}'s bytes overlap another's or lie past the end of the file")
+        end = stop
+    return shapes
+
+
+def _entry(path, name, e):
+    """The shape of one header entry, checked against its dtype and byte range."""
+    ok = isinstance(e, dict) and e.get("dtype") in DTYPES and isinstance(e.get("shape"), list) and \
+        all(type(d) is int and d >= 0 for d in e["shape"]) and isinstance(e.get("data_offsets"), list) \
+        and len(e["data_offsets"]) == 2 and all(type(o) is int and o >= 0 for o in e["data_offsets"])
+    if not ok:
+        raise ValueError(f"{path}: the header's entry for {name!r} is not a dtype, shape and offsets")
+    numel = 1
+    for d in e["shape"]:
+        numel *= d
+    start, stop = e["data_offsets"]
+    if stop - start != numel * DTYPES[e["dtype"]]:
+        raise ValueError(f"{path}: {name} is {e['dtype']} {tuple(e['shape'])}, which is "
+                         f"{numel * DTYPES[e['dtype']]} bytes, not the {stop - start} it holds")
+    return tuple(e["shape"])
+
+
+def shapes(folder):
+    """{name: shape} of a folder's weights, read from the header where it is a safetensors file (the
+    tensors themselves are read by load() once the names and shapes are found right)."""
+    path = os.path.join(folder, WEIGHTS)
+    if os.path.lexists(path):
+        return header(path)
+    return {name: tuple(t.shape) for name, t in load(folder).items()}
+
+
+def load(folder):
+    """{name: tensor} of a folder's model.safetensors (its header checked first), or of its
+    pytorch_model.bin read as tensors only (weights_only=True: anything else is refused)."""
+    path = os.path.join(folder, WEIGHTS)
+    if os.path.lexists(path):
+        header(path)
+        try:
+            return safetensors().load_file(path)
+        except (OSError, RuntimeError, ValueError) as e:   # safetensors' own errors are these
+            raise ValueError(f"{folder}: {WEIGHTS} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
+    path = os.path.join(folder, "pytorch_model.bin")
+    if not os.path.lexists(path):
+        raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor pytorch_model.bin")
+    _plain(path, path)
+    try:
+        tensors = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise ValueError(f"{folder}: pytorch_model.bin holds more than tensors, and it is not unpickled "
+                         f"(convert it to {WEIGHTS})") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{folder}: pytorch_model.bin is unreadable ({type(e).__name__})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"{folder}: pytorch_model.bin is not a dict of tensors")
+    return tensors
