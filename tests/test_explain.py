@@ -76,6 +76,8 @@ def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch,
         other_cfg, _ = options.parse_args([*TINY, f"--arch={'full' if other == 'megatron' else arch if arch != 'full' else 'cola'}"])
         assert table[other] == per_layer_traffic(other, other_cfg)[:2], (other, table)
     assert "rank 1 (dp 0, pp 0, tp 1): the same ops" in out
+    listed = re.findall(r"^    (?:all_gather|all_reduce|reduce_scatter) +tp: .*$", out, re.M)
+    assert listed and all(line.endswith("]") and "FSDP" not in line for line in listed), listed
     if layout == "vanilla":
         return   # (the training step's comparison for btp and megatron keeps the suite short)
     # a real training step: the same TP bytes per token on rank 0
@@ -84,6 +86,30 @@ def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch,
     step = metrics(tmp_path / "train")[0]
     explained = sum(e for (g, _, _), (_, e) in totals.items() if g == "tp") * 4   # fp32
     assert explained / tokens == step["tp_bytes"] / (4 * 32), (explained, step["tp_bytes"])
+
+
+@pytest.mark.parametrize("layout", ["btp", "vanilla", "megatron"])
+def test_every_collective_is_labelled_with_its_real_role(layout):
+    """An all-gather over tp is TP's (BTP's residual for the head, vanilla's LaX latents), never
+    FSDP2's; over dp under --dp_shard it is FSDP2's; vanilla's LaX gradients are named too."""
+    import types
+    import explain
+    from notation import Names
+    cfg, _ = options.parse_args([*TINY, "--arch=" + ("full" if layout == "megatron" else "cola")])
+    rec = types.SimpleNamespace(layout=layout, names=Names(cfg, 2, 4, 32), events=[], pending=[], section="x",
+                                phase=lambda: "fwd")
+    d, r = cfg.n_embd, cfg.attn_rank
+    explain.Recorder.collective(rec, "all_gather", "tp", "fwd", torch.zeros(128 * (d if layout != "vanilla"
+                                                                                     else r)), 128)
+    explain.Recorder.collective(rec, "all_gather", "dp", "grad", torch.zeros(1000), 128)
+    explain.Recorder.collective(rec, "reduce_scatter", "dp", "grad", torch.zeros(1000), 128)
+    tp, gather, scatter = (e[3] for e in rec.events)
+    assert "FSDP" not in tp and tp.endswith(f"[{explain.GATHERS.get(layout, '')}]" if layout in
+                                            explain.GATHERS else "elements"), tp
+    assert "gathered over dp (FSDP2)" in gather and "cut over dp (FSDP2)" in scatter
+    if layout == "vanilla":
+        explain.Recorder.collective(rec, "all_reduce", "tp", "bwd", torch.zeros(128 * r), 128)
+        assert rec.events[-1][3].endswith("[gradient of latents gathered for LaX's crossing]"), rec.events[-1]
 
 
 @pytest.mark.slow
