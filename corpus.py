@@ -226,7 +226,8 @@ class Reader:
             for text in batch.column(0).to_pylist():
                 row += 1
                 blob = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
-                yield from self._add(("row", str(f), self.doc, row, blob, None))
+                held = None if text is None or blob is not None else type(text).__name__   # (not text)
+                yield from self._add(("row", str(f), self.doc, row, blob, held))
                 self.doc += 1
 
     def _jsonl(self, f, stream):

@@ -269,8 +269,14 @@ def export(path, out, fmt="pt"):
     if fmt != "pt":
         return write(out, state, cfg, fmt, tokenizer)
     tmp = f"{out}.{os.getpid()}.tmp"
-    torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer, "crc32": tensors_crc32(state)}, tmp)
-    os.replace(tmp, out)
+    try:
+        torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer,
+                    "crc32": tensors_crc32(state)}, tmp)
+        os.replace(tmp, out)
+    except (OSError, RuntimeError) as e:   # (torch.save's own file errors are RuntimeErrors)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ValueError(f"cannot write {out} ({getattr(e, 'strerror', None) or str(e).split(': ')[-1]})") from None
 
 
 def import_folder(folder, out_dir, tokenizer=None):
@@ -365,6 +371,8 @@ def cli(argv):
                 print(f"imported {args.folder} as {path}; continue with train.py --out_dir={args.out_dir} --init_from=resume")
         except ValueError as e:
             parser.error(str(e))
+        except OSError as e:   # a target that cannot be written: a read-only disk, a file in the way
+            parser.error(f"cannot write {e.filename or getattr(args, 'out', None) or args.out_dir} ({e.strerror or e})")
         return
     try:
         m, tokenizer = load_exported(args.model_file)

@@ -209,6 +209,8 @@ def check_values(tc):
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1", "beta2"):
         if not math.isfinite(getattr(tc, name)):
             raise ValueError(f"{name}={getattr(tc, name)} must be a finite number")
+    if tc.seed >= 2 ** 63:   # (torch.manual_seed takes a signed 64-bit integer)
+        raise ValueError(f"seed={tc.seed} must be below 2**63")
     if tc.learning_rate <= 0:
         raise ValueError(f"learning_rate={tc.learning_rate} must be positive")
     for name in ("min_lr", "weight_decay", "grad_clip", "peak_tflops"):

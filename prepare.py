@@ -99,7 +99,7 @@ def tokenize(task):
     """One task -> (train ids, val ids, stats). A task is (options, items), each item one of
     ("text", file, document, piece index, bytes, last piece of the document) and
     ("jsonl", file, document, line number, line bytes, None) and ("row", file, document, row number,
-    its text's bytes or None where it had no text, None)."""
+    its text's bytes or None where it had no text, the type of a value that was not text or None)."""
     (fraction, field, by_piece), items = task
     typecode = "H" if token_dtype(_enc.n_vocab) == np.uint16 else "I"
     train, val = array.array(typecode), array.array(typecode)   # 2 or 4 bytes a token, not a Python int
@@ -123,14 +123,11 @@ def tokenize(task):
         if kind == "text":
             emit(doc, k, blob, last)
         else:
-            try:
-                text = blob.decode("utf-8", "boost_count") if kind == "row" else \
-                    json.loads(blob.decode("utf-8", "boost_count"))[field]
-                if not isinstance(text, str):
-                    raise TypeError
-            except (ValueError, TypeError, KeyError, IndexError, AttributeError):   # (a row of None: no text)
+            text, why = text_of(kind, blob, last, field)
+            if why:
                 stats["bad_lines"] += 1
-                stats["first_bad_line"] = stats["first_bad_line"] or f"{file}:{'row ' if kind == 'row' else ''}{k}"
+                where = f"{file}:{'row ' if kind == 'row' else ''}{k}"
+                stats["first_bad_line"] = stats["first_bad_line"] or f"{where}, {why}"
                 continue
             cut, _ = corpus.pieces(text.encode("utf-8"), final=True)
             for piece_k, piece in enumerate(cut or [b""]):
@@ -140,6 +137,25 @@ def tokenize(task):
     stats["bad_bytes"] = _bad[0]
     dtype = token_dtype(_enc.n_vocab)
     return np.frombuffer(train, dtype=dtype), np.frombuffer(val, dtype=dtype), stats
+
+
+def text_of(kind, blob, held, field):
+    """(the text of a JSON line or a Parquet row, None), or (None, why it has none); a row's `held`
+    names the type of a value that was not text."""
+    if kind == "row":
+        return (blob.decode("utf-8", "boost_count"), None) if blob is not None else \
+            (None, f"its {field!r} is {'a ' + held if held else 'empty'}, not text")
+    try:
+        obj = json.loads(blob.decode("utf-8", "boost_count"))
+    except ValueError:
+        return None, "not JSON"
+    if not isinstance(obj, dict):
+        return None, f"a JSON {type(obj).__name__}, not an object (one document per line)"
+    if field not in obj:
+        return None, f"no {field!r} field (--text_field names it)"
+    if not isinstance(obj[field], str):
+        return None, f"its {field!r} is a {type(obj[field]).__name__}, not text"
+    return obj[field], None
 
 
 def _results(tasks, tokenizer, num_proc):
@@ -206,8 +222,12 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
     fp = fingerprint(dataset, val_fraction, text_field)
     if ready(out, fp):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "prepare.lock", "a") as lock:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / "prepare.lock", "a")
+    except OSError as e:
+        raise ValueError(f"cannot write in data_dir {data_dir} ({e.strerror or e})") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # a second process waits here, then finds the files ready
         if ready(out, fp, log):
             return out
@@ -278,8 +298,11 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
         unit = f"pieces of up to {corpus.PIECE // 1024} KiB" if reader.opts[2] else "documents"
         where = f"{dataset}" + (f" ({'; '.join(reader.skipped + reader.damaged)} skipped or damaged)"
                                 if reader.skipped or reader.damaged else "")
+        lines = f"; {n['bad_lines']:,} JSON lines or rows had no text (first: {first['line']})" \
+            if n["bad_lines"] else ""
         raise ValueError(f"{where} is too small to split: {n['docs']} documents, {n['train'] + n['val']} tokens; "
-                         f"{n['train_units']} {unit} drew train and {n['val_units']} val (val_fraction {fraction})")
+                         f"{n['train_units']} {unit} drew train and {n['val_units']} val (val_fraction {fraction})"
+                         + lines)
     crcs = {f"{split}_crc32": data.crc32(tmp[split]) for split in ("train", "val")}
     for split in ("train", "val"):
         os.replace(tmp[split], out / f"{split}.bin")

@@ -112,10 +112,13 @@ class HuggingFace:
         stripped = _no_prefix(spec)   # a second tokenizer only where the file prepends a "▁"
         self.cont = self.tok if stripped == spec else lib.Tokenizer.from_str(json.dumps(stripped))
         self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        eos = _configured_eos(path.parent / "tokenizer_config.json")
+        configured = _configured_eos(path.parent / "tokenizer_config.json")
         special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
-        eos = eos or next((n for n in EOS_NAMES if n in special), None)
-        if eos is None or self.tok.token_to_id(eos) is None:
+        eos = configured or next((n for n in EOS_NAMES if n in special), None)
+        if configured and self.tok.token_to_id(configured) is None:
+            raise ValueError(f"the eos_token {configured!r} of {path.parent / 'tokenizer_config.json'} is not in "
+                             f"the vocabulary of {path}")
+        if eos is None:
             raise ValueError(f"cannot tell the end-of-document token of {path}: put a tokenizer_config.json "
                              "with its eos_token beside it")
         self.eos, self.eot_token = eos, self.tok.token_to_id(eos)
@@ -131,10 +134,19 @@ class HuggingFace:
 
 
 def _configured_eos(path):
+    """The eos_token a tokenizer_config.json names, or None; ValueError naming the file if it is not
+    a JSON object whose eos_token is a string or {"content": string}."""
     if not path.is_file():
         return None
-    eos = json.loads(path.read_text()).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable or not JSON ({type(e).__name__})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(config, dict) or not isinstance(eos, (str, type(None))):
+        raise ValueError(f"{path} is not a JSON object with an eos_token string")
+    return eos
 
 
 class SentencePiece:

@@ -56,11 +56,17 @@ def main(argv):
         resume = resume_plan(argv, tc, print if master else (lambda *a: None))
         if resume:   # continue the run: the options its checkpoint recorded, where argv does not give them
             cfg, tc = resume.cfg, resume.tc
+        if resume and tc.tokenizer == resume.meta.get("tokenizer"):   # its file gone or changed: said first
+            train_state.check_tokenizer(resume.found[0], resume.meta, tc.tokenizer)
         cfg.vocab_size = options.vocab_size(tc.tokenizer)
-        if resume:   # the model's shape and the tokenizer, before a corpus is prepared for it
+        if resume:
             train_state.read_meta(resume.found[0], cfg.shape(), tc.tokenizer)
         if tc.tensorboard:
             need("tensorboard", "--tensorboard=true")   # (one line now, not a traceback after the model is built)
+            if os.path.exists(os.path.join(tc.out_dir, "tensorboard")) and \
+                    not os.path.isdir(os.path.join(tc.out_dir, "tensorboard")):
+                raise ValueError(f"{os.path.join(tc.out_dir, 'tensorboard')} is a file, where --tensorboard=true "
+                                 "writes its events: move it away")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp, layout = options.plan_parallel(cfg, tc, world)
         checkpointing.check_recompute(cfg, tc.recompute)

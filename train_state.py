@@ -210,6 +210,8 @@ def read_meta(path, config=(), tokenizer=None):
         meta = json.load(f)
     integrity.check_meta(path, meta)
     meta["config"] = llama.Config(**meta["config"]).shape()  # derived sizes filled in, as this run's are
+    if tokenizer == meta.get("tokenizer"):   # (the same file: gone or changed is said first)
+        check_tokenizer(path, meta, tokenizer)
     for key, value in dict(config).items():
         if meta["config"].get(key) != value:
             if key == "vocab_size":
@@ -218,12 +220,26 @@ def read_meta(path, config=(), tokenizer=None):
                                  f"(vocabulary {value}): pass the same tokenizer")
             raise ValueError(f"checkpoint {path} was written with {key}={meta['config'].get(key)}, "
                              f"this run has {key}={value}: pass the same model options")
+    check_tokenizer(path, meta, tokenizer)
+    return meta
+
+
+def check_tokenizer(path, meta, tokenizer):
+    """ValueError unless `tokenizer` (None: nothing to compare) is the one the checkpoint was written
+    with: the same file, unchanged, where it names a file."""
+    if tokenizer is None:
+        return
     theirs = meta.get("tokenizer_id", meta.get("tokenizer"))   # (checkpoints of bytes and gpt2 named them only)
-    mine = tokenizer_identity(tokenizer) if tokenizer is not None else None
-    if mine is not None and theirs != mine:
+    if tokenizer == meta.get("tokenizer") and tokenizer not in ("bytes", "gpt2") and not os.path.exists(tokenizer):
+        raise ValueError(f"the tokenizer {tokenizer} that checkpoint {path} was written with is gone (deleted or "
+                         "moved): put it back, or pass --tokenizer= a copy of it")
+    mine = tokenizer_identity(tokenizer)
+    if theirs != mine and tokenizer == meta.get("tokenizer"):
+        raise ValueError(f"the tokenizer file {tokenizer} changed since checkpoint {path} was written with it "
+                         f"(it was {theirs}, it is {mine} now): put back the file the run was trained with")
+    if theirs != mine:
         raise ValueError(f"checkpoint {path} was written with the tokenizer {theirs} ({meta.get('tokenizer')}), this "
                          f"run's --tokenizer={tokenizer} is {mine}: pass the same tokenizer")
-    return meta
 
 
 def choose(resume, config, tokenizer, load, same, log=print):

@@ -6,6 +6,7 @@ rank 0's preparation past the process-group timeout. Run: .venv/bin/python -m py
 import fcntl
 import gzip
 import json
+import re
 import os
 import random
 import subprocess
@@ -90,6 +91,29 @@ def test_formats_and_gzip_give_the_same_tokens(tmp_path):
     assert tokens(run(field, tmp_path / "d", num_proc=1, text_field="content")[0]) == got["txt"]
 
 
+@pytest.mark.parametrize("form, why", [
+    ("a.jsonl", "a.jsonl:1, no 'text' field (--text_field names it)"),
+    ("a.json", "a.json:1, a JSON list, not an object (one document per line)"),
+    ("a.parquet", "a.parquet:row 1, its 'text' is a int, not text")])
+def test_a_corpus_without_text_says_why_and_counts_the_rows(tmp_path, form, why):
+    """A .jsonl without the text field, a .json array, a parquet text column of ints: one line that
+    counts the lines or rows without text and says what the first one holds."""
+    src = tmp_path / "c"
+    src.mkdir()
+    if form == "a.jsonl":
+        (src / form).write_text("".join(json.dumps({"body": f"doc {i}"}) + "\n" for i in range(300)))
+    elif form == "a.json":
+        (src / form).write_text(json.dumps([{"text": f"doc {i}"} for i in range(300)]))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": list(range(300))}), src / form)
+    count = 1 if form == "a.json" else 300
+    with pytest.raises(ValueError, match=rf"; {count} JSON lines or rows had no text \(first: .*"
+                                         + re.escape(why) + r"\)$"):
+        run(src, tmp_path / "d", num_proc=1)
+
+
 def test_bad_lines_bytes_and_files_are_counted_and_named(tmp_path):
     src = tmp_path / "c"
     src.mkdir()
@@ -104,7 +128,8 @@ def test_bad_lines_bytes_and_files_are_counted_and_named(tmp_path):
     summary = lines[-1]
     assert f"1 file(s) skipped (first: {src / 'c.bin'} (binary))" in summary
     assert f"3 invalid UTF-8 bytes replaced in 1 file(s) (first: {src / 'b.txt'})" in summary
-    assert f"4 malformed JSON lines or rows without text skipped (first: {src / 'a.jsonl'}:22)" in summary
+    assert f"4 malformed JSON lines or rows without text skipped (first: {src / 'a.jsonl'}:22, not JSON)" \
+        in summary
     meta = json.loads((out / "meta.json").read_text())
     assert (meta["documents"], meta["invalid_utf8_bytes"], meta["malformed_json_lines"]) == (41, 3, 4)
     ids = np.frombuffer(b"".join(tokens(out).values()), dtype=np.uint16)

@@ -152,6 +152,40 @@ def test_bad_tokenizer_paths_are_one_line(tmp_path, capsys):
     expect_error(capsys, [f"--tokenizer={tmp_path / 'tokenizer.json'}", f"--out_dir={tmp_path}"], "cannot read the tokenizer")
 
 
+def test_a_broken_tokenizer_config_is_named(tmp_path, capsys, tokenizers_dir):
+    """A tokenizer_config.json that is not JSON, not an object, or whose eos_token the vocabulary lacks."""
+    import shutil
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copyfile(tokenizers_dir / "tokenizer.json", folder / "tokenizer.json")
+    for text, fragment in (("{broken", "tokenizer_config.json is unreadable or not JSON (JSONDecodeError)"),
+                           ("[1]", "tokenizer_config.json is not a JSON object with an eos_token string"),
+                           ('{"eos_token": "<|nope|>"}', "the eos_token '<|nope|>' of "),
+                           ('{"eos_token": {"content": 5}}', "is not a JSON object with an eos_token string")):
+        (folder / "tokenizer_config.json").write_text(text)
+        expect_error(capsys, [f"--tokenizer={folder}", f"--out_dir={tmp_path / 'o'}"], fragment)
+
+
+def test_a_tokenizer_changed_or_gone_since_the_run_is_said_so(tmp_path, capsys, tokenizers_dir, data_dir):
+    """A resume whose recorded tokenizer file changed in place, or was deleted: one line that says so,
+    before any corpus is prepared."""
+    import shutil
+    tok = tmp_path / "tok.json"
+    shutil.copyfile(tokenizers_dir / "tokenizer.json", tok)
+    out = tmp_path / "run"
+    train_args = [f"--out_dir={out}", f"--data_dir={tmp_path / 'd'}", *TINY, f"--tokenizer={tok}"]
+    import train
+    train.main([*train_args, "--max_iters=2", "--eval_interval=2"])
+    capsys.readouterr()
+    shutil.copyfile(tokenizers_dir / "metaspace" / "tokenizer.json", tok)   # changed in place
+    shutil.rmtree(tmp_path / "d")
+    resume = [f"--out_dir={out}", "--init_from=resume", "--max_iters=4"]
+    expect_error(capsys, resume, f"the tokenizer file {tok} changed since checkpoint", "put back the file")
+    tok.unlink()
+    expect_error(capsys, resume, f"the tokenizer {tok} that checkpoint", "is gone (deleted or moved)")
+    assert not (tmp_path / "d").exists()   # nothing prepared
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tokenizer.json", "sp.model"])
 def test_train_resume_export_import_with_a_tokenizer_file(tmp_path, tokenizers_dir, name):

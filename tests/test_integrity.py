@@ -15,6 +15,7 @@ import torch
 
 import integrity
 import interchange
+import prepare
 import train_state
 from conftest import ROOT, TINY, command, expect_error, metrics, run_train
 
@@ -223,6 +224,23 @@ def test_a_damaged_safetensors_file_is_one_line(tmp_path, how, fragment):
     damaged_weights(folder, how)
     one_line_error(tool("import", folder, tmp_path / "new"), fragment)
     assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_an_unwritable_target_is_one_line(capsys, tmp_path, checkpoint, data_dir):
+    """export (pt and a folder), import and prepare into a path that cannot be written (under a file;
+    under /proc, which no one may write, root included), and a tensorboard folder that is a file."""
+    (tmp_path / "a_file").write_text("")
+    for target in (tmp_path / "a_file" / "x", "/proc/boost-test"):
+        said = "cannot write" if str(target).startswith("/proc") else "a_file of"   # (export's check)
+        one_line_error(tool("export", checkpoint, target), said)
+        one_line_error(tool("export", checkpoint, target, "--format=cola"), said)
+        one_line_error(tool("import", fake_folder(tmp_path / f"hf{len(str(target))}"), target), "cannot write")
+        code, err = command(prepare.main, "--dataset=pydoc", f"--data_dir={target}")
+        assert code == 2 and err.startswith("error: cannot write in data_dir") and "\n" not in err, err
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "tensorboard").write_text("")
+    expect_error(capsys, [f"--out_dir={tmp_path / 'tb'}", f"--data_dir={data_dir}", *TINY, "--tensorboard=true"],
+                 "tensorboard is a file, where --tensorboard=true writes its events")
 
 
 def test_import_command_errors(tmp_path):

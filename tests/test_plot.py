@@ -67,6 +67,23 @@ def test_plot_refuses_bad_input_in_one_line(tmp_path):
     assert code == 2 and "holds no iteration records" in err
 
 
+def test_plot_takes_rows_without_speed_nan_and_refuses_strings_and_binary(tmp_path):
+    """Rows without tokens_per_s (drawn without a speed point), a NaN loss (a gap), a string where a
+    number belongs or a binary metrics.jsonl: drawn, or one line naming the file."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "a", [{"event": "start", "tokens_per_iter": 8}, {"iter": 0, "loss": 5.0},
+                               '{"iter": 1, "loss": NaN, "tokens_per_s": 3.0}\n'])
+    run = plot.read_run(tmp_path / "a")
+    assert run["speed"] == [(1, 3.0)] and run["train"][0] == (0, 8, 5.0) and run["train"][1][2] != 5.0
+    assert command(plot.main, tmp_path / "a", "-o", tmp_path / "a.png")[0] == 0
+    write_log(tmp_path / "s", [{"iter": 0, "loss": "5.0", "tokens_per_s": 1.0}])
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "metrics.jsonl").write_bytes(bytes(range(256)))
+    for folder, fragment in (("s", "metrics.jsonl:1: loss is '5.0', not a number"), ("bin", "is not a text file")):
+        code, err = command(plot.main, tmp_path / folder, "-o", tmp_path / "x.png")
+        assert code == 2 and err.startswith("error: ") and "\n" not in err and fragment in err, err
+
+
 def test_bench_data_forms_prepare_to_the_same_tokens(tmp_path):
     pytest.importorskip("pyarrow")
     pytest.importorskip("zstandard")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files l
 import data  # noqa: E402  (after the path line)
 
 IMAGES = (".png", ".svg", ".pdf")   # the only files -o writes, replacing one of that name
+NUMBERS = {"iter", "loss", "val_loss", "tokens_per_s", "tokens_per_iter"}   # what is drawn
 
 
 def read_run(out_dir):
@@ -30,14 +31,21 @@ def read_run(out_dir):
     path = Path(out_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{out_dir} has no metrics.jsonl (is it a train.py out_dir?)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file (a train.py metrics.jsonl is JSON Lines)") from None
     records, per_iter = {}, None
-    for line in path.read_text().splitlines():
+    for line_no, line in enumerate(text.splitlines(), 1):
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         if not isinstance(rec, dict):
             continue
+        for key in NUMBERS & rec.keys():   # (NaN is a number: drawn as a gap)
+            if not isinstance(rec[key], (int, float)) or isinstance(rec[key], bool):
+                raise ValueError(f"{path}:{line_no}: {key} is {rec[key]!r}, not a number")
         if rec.get("event") in ("start", "resume"):
             per_iter = rec.get("tokens_per_iter", per_iter)
         elif "iter" in rec and "event" not in rec:
@@ -49,6 +57,7 @@ def read_run(out_dir):
         rec, n = records[it], records[it]["per_iter"] or 0
         if "loss" in rec:   # the loss of step `it`: after it, (it + 1) steps of tokens were trained
             run["train"].append((it, (it + 1) * n, rec["loss"]))
+        if "tokens_per_s" in rec:
             run["speed"].append((it, rec["tokens_per_s"]))
         if "val_loss" in rec:   # evaluated before step `it`
             run["val"].append((it, it * n, rec["val_loss"]))
