@@ -82,6 +82,21 @@ def test_gpu_check_step_runner_keeps_what_a_timed_out_step_printed():
 
 
 @pytest.mark.slow
+def test_gpu_check_without_cuda_or_torch_is_one_line():
+    """No CUDA device (this machine) and no --cpu, or no PyTorch at all: one line, exit 2, nothing run
+    or written (it writes only under gpu-check/, which git ignores)."""
+    script = str(ROOT / "tools" / "gpu_check.py")
+    hide = f"import sys, runpy; sys.modules['torch'] = None; sys.argv = ['{script}']; " \
+           f"sys.exit(runpy.run_path('{script}', run_name='__main__'))"
+    for cmd, said in (([sys.executable, script], "error: no CUDA device here"),
+                      ([sys.executable, "-c", hide], "error: gpu_check needs PyTorch")):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert res.returncode == 2 and res.stderr.startswith(said) and res.stderr.count("\n") == 1, res.stderr
+        assert res.stdout == ""
+    assert not (ROOT / "gpu-check.json").exists()
+    assert "gpu-check/" in (ROOT / ".gitignore").read_text().split()
+
+
 def test_gpu_check_runs_its_steps_on_a_cpu(tmp_path):
     """The whole check, --cpu: its kernel step (interpreted), its training runs (reference and
     interpreted kernels, resumed, recompute=lowrank) and sample; the summary says each step's state."""

@@ -3,8 +3,11 @@
 BOOST (arXiv 2512.12131) sections 3-4 and 7 run on GPUs; this says whether this project does, on a
 machine with PyTorch already installed (its own python3, no pip):
 
-    python3 tools/gpu_check.py [--budget_s=480] [--json=gpu-check.json]
+    python3 tools/gpu_check.py [--budget_s=480] [--json=gpu-check/summary.json]
     python3 tools/gpu_check.py --cpu        # the same steps, small, on a CPU (the tests run this)
+
+Without PyTorch, or without a CUDA device (and no --cpu), it says so in one line and exits 2. Its
+summary goes to gpu-check/ in the repository (ignored by git) unless --json names another file.
 
 Each step runs in its own process under its own timeout (cut to what is left of the budget), prints
 its results as they come, so a step that hangs or times out keeps what it did, and the others still
@@ -96,6 +99,17 @@ def step_bench(args):
     report(failed=0, matmul_peak_tflops=out["matmul_peak_tflops"], steps=out["steps"])
 
 
+def missing(cpu):
+    """What this machine lacks for the check, in one line, or None."""
+    try:
+        import torch
+    except ImportError:
+        return f"gpu_check needs PyTorch, which {sys.executable} cannot import: run it with the python that has it"
+    if not cpu and not torch.cuda.is_available():
+        return "no CUDA device here: run it on a GPU machine, or use --cpu for the same steps, small, on a CPU"
+    return None
+
+
 def device(args):
     return "cpu" if args.cpu else "cuda"
 
@@ -103,7 +117,8 @@ def device(args):
 def main(argv):
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--budget_s", type=float, default=480, help="the whole check's limit (default 480)")
-    ap.add_argument("--json", default="gpu-check.json", help="where the summary goes (default gpu-check.json)")
+    ap.add_argument("--json", default=str(ROOT / "gpu-check" / "summary.json"),
+                    help="where the summary goes (default gpu-check/summary.json in the repository)")
     ap.add_argument("--cpu", action="store_true", help="the same steps, small, on a CPU (the tests' mode)")
     ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)   # one step, in its own process
     ap.add_argument("--out", help=argparse.SUPPRESS)                          # the train step's scratch folder
@@ -112,6 +127,10 @@ def main(argv):
         import gpu_check_train
         {"env": step_env, "kernels": step_kernels, "train": gpu_check_train.step, "bench": step_bench}[args.step](args)
         return
+    problem = missing(args.cpu)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     start, summary = time.time(), {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, limit in STEPS.items():
@@ -127,6 +146,7 @@ def main(argv):
             print(f"== {name}: {status} in {summary[name]['seconds']} s", flush=True)
     print("\nsummary: " + "; ".join(f"{n} {s['status']}" for n, s in summary.items()) +
           f" ({time.time() - start:.0f} s of {args.budget_s:.0f})")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"written to {args.json}")
     return 0 if all(s["status"] in ("ok", "skipped") for s in summary.values()) else 1
