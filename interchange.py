@@ -335,6 +335,16 @@ def _checkpoint_folder(text):
     return text
 
 
+def _temperature(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expects a number above 0, got {text!r}")
+    return value
+
+
 def _exported_file(text):
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text} is not a file (export a checkpoint first)")
@@ -359,6 +369,10 @@ def cli(argv):
     p = sub.add_parser("sample", help="generate text from an exported file")
     p.add_argument("model_file", type=_exported_file)
     p.add_argument("tokens", type=data.positive_int, nargs="?", default=200, help="tokens to generate (default 200)")
+    p.add_argument("--prompt", default="", help="the text to continue (default: a new document)")
+    p.add_argument("--temperature", type=_temperature, default=0.8, help="above 0 (default 0.8)")
+    p.add_argument("--top_k", type=int, default=50, help="sample from the k likeliest tokens; 0: from all (default 50)")
+    p.add_argument("--seed", type=int, default=1337, help="of the sampling (default 1337)")
     args = parser.parse_args(argv)
     t0 = time.time()
     if args.command in ("export", "import"):
@@ -381,8 +395,12 @@ def cli(argv):
         parser.error(str(e))
     except Exception as e:  # not a torch.save file, or not one of ours: unpickling fails many ways
         parser.error(f"{args.model_file} is not an exported model ({type(e).__name__})")
-    torch.manual_seed(1337)
-    print(llama.sample_text(m, enc, args.tokens))
+    if args.top_k < 0 or not 0 <= args.seed < 2 ** 63:
+        parser.error(f"--top_k={args.top_k} must not be negative" if args.top_k < 0 else
+                     f"--seed={args.seed} must be at least 0 and below 2**63")
+    torch.manual_seed(args.seed)
+    print(llama.sample_text(m, enc, args.tokens, prompt=args.prompt, temperature=args.temperature,
+                            top_k=args.top_k or None))
 
 
 if __name__ == "__main__":

@@ -324,8 +324,10 @@ def estimate_mfu(flops_per_token, tokens_per_s, peak_tflops):
     return flops_per_token * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None
 
 
-def sample_text(model, enc, n_tokens, device="cpu"):
-    """n_tokens generated after <|endoftext|> (temperature 0.8, top 50), decoded; the ids of the
-    vocabulary's padding are never decoded."""
-    out = model.generate(torch.tensor([[enc.eot_token]], device=device), n_tokens, temperature=0.8, top_k=50)
+def sample_text(model, enc, n_tokens, device="cpu", prompt="", temperature=0.8, top_k=50):
+    """The prompt and n_tokens generated after it (after <|endoftext|>, which starts a document),
+    decoded; top_k=None samples from the whole vocabulary. The ids of the vocabulary's padding are
+    never decoded."""
+    start = [enc.eot_token] + (enc.encode_ordinary(prompt) if prompt else [])
+    out = model.generate(torch.tensor([start], device=device), n_tokens, temperature, top_k)
     return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])

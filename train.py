@@ -177,6 +177,7 @@ def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
         f"dp={dp} pp={tc.pp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
         (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}")
+    log(placement.sizing_line(cfg, tc, n_params, dp, world))
     run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num, tc.tensorboard,
                                        run.tokens_per_iter)
     signum = loop(run, iter_num, flops_per_token, interrupt)
@@ -321,6 +322,7 @@ def train_step(run, iter_num):
     run.nonfinite = torch.where(bad & (run.nonfinite < 0), iter_num, run.nonfinite)   # check_finite reads it
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    run.grad_norm = grad_norm   # (on the device, before clipping: log_step reads it)
     return loss_sum
 
 
@@ -333,10 +335,12 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
     comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
             "dp_bytes": LEDGER.total("dp", unit="bytes"), "pp_bytes": LEDGER.total("pp", unit="bytes")}
     eta = elapsed / (iter_num + 1 - start_iter) * (tc.max_iters - iter_num - 1)
-    mem_gb = rundir.peak_memory_gb(run.place.device)
-    run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "ms": dt * 1000, "tokens_per_s": tokens_per_s,
-                       **comm, **({"mfu": mfu} if mfu is not None else {}), "mem_gb": mem_gb, **record})
-    run.log(f"iter {iter_num}/{tc.max_iters}: loss {loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms, "
+    mem_gb, grad_norm = rundir.peak_memory_gb(run.place.device), float(run.grad_norm)
+    run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": dt * 1000,
+                       "tokens_per_s": tokens_per_s, **comm, **({"mfu": mfu} if mfu is not None else {}),
+                       "mem_gb": mem_gb, **record})
+    run.log(f"iter {iter_num}/{tc.max_iters}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
+            f"{dt * 1000:.1f} ms, "
             f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s, "
             f"comm {comm['comm_bytes'] / 1e6:.2f} MB" + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, eta {rundir.duration(eta)}")

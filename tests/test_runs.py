@@ -232,6 +232,8 @@ def one_checkpoint(tmp_path_factory, data_dir):
     (["sample", "{ckpt}/meta.json"], "is not an exported model"),
     (["sample", "{ckpt}/meta.json", "abc"], "expects a whole number, got 'abc'"),
     (["sample", "{ckpt}/meta.json", "-5"], "must be at least 1, got -5"),
+    (["sample", "{ckpt}/meta.json", "--temperature=0"], "expects a number above 0, got '0'"),
+    (["sample", "{ckpt}/meta.json", "--temperature=nan"], "expects a number above 0, got 'nan'"),
 ])
 def test_export_and_sample_arguments(one_checkpoint, args, fragment):
     fill = dict(out=one_checkpoint, ckpt=one_checkpoint / "checkpoints" / "iter_0000002")
@@ -240,25 +242,66 @@ def test_export_and_sample_arguments(one_checkpoint, args, fragment):
     assert fragment.format(**fill) in err, err
 
 
+def test_sample_takes_a_prompt_a_temperature_and_top_k(one_checkpoint, tmp_path, capsys):
+    """The sample continues the prompt; top_k=1 is greedy (the same text whatever the seed), a seed
+    repeats a sample, and a negative top_k is one line."""
+    ckpt = one_checkpoint / "checkpoints" / "iter_0000002"
+    assert command(interchange.cli, "export", ckpt, tmp_path / "m.pt")[0] == 0
+
+    def sample(*args):
+        capsys.readouterr()
+        assert interchange.cli(["sample", str(tmp_path / "m.pt"), "20", *args]) is None
+        return capsys.readouterr().out
+    greedy = sample("--prompt=def main(", "--top_k=1", "--seed=1")
+    assert greedy.startswith("def main(") and greedy == sample("--prompt=def main(", "--top_k=1", "--seed=2")
+    hot = sample("--temperature=5", "--top_k=0", "--seed=3")
+    assert hot == sample("--temperature=5", "--top_k=0", "--seed=3") != sample("--temperature=5", "--seed=4")
+    code, err = command(interchange.cli, "sample", tmp_path / "m.pt", "--top_k=-1")
+    assert code == 2 and "--top_k=-1 must not be negative" in err
+
+
 # ---------------------------------------------------------------------------- the log says where the run stands
 
 def test_log_and_metrics_say_where_the_run_stands(capsys, tmp_path, data_dir):
     run_train(tmp_path, data_dir, *RUN[1:], "--max_iters=4")
     out = capsys.readouterr().out
     assert "iter 0/4: loss" in out and ", mem " in out and "elapsed" in out and ", eta " in out
+    assert ", grad norm " in out and "sizing: the embedding and head hold " in out
     ckpt = tmp_path / "checkpoints" / "iter_0000004"
     assert f"saved checkpoint {ckpt} (" in out
     assert "done: 4 iterations (0..4), 256 tokens in" in out and f"last checkpoint {ckpt}" in out
     assert "best val loss" in out
     records = metrics(tmp_path, events=True)
     assert records[0]["event"] == "start" and records[-1]["event"] == "end"
-    assert all(r["mem_gb"] > 0.05 for r in records if "loss" in r)
+    assert all(r["mem_gb"] > 0.05 and r["grad_norm"] > 0 for r in records if "loss" in r)
     written = (ckpt / "meta.json").stat().st_mtime_ns
     run_train(tmp_path, data_dir, *RUN, "--init_from=resume")   # to 8
     out = capsys.readouterr().out
     assert f"saved checkpoint {ckpt}" not in out and (ckpt / "meta.json").stat().st_mtime_ns == written
     resume = [r for r in metrics(tmp_path, events=True) if r.get("event") == "resume"]
     assert resume == [{**resume[0], "iter": 4, "checkpoint": str(ckpt)}]
+
+
+def test_the_start_says_where_the_parameters_and_memory_go(monkeypatch):
+    """GPT-2's vocabulary on the default shape: the embedding and head are 98% of the model, said at
+    the start; an estimate past 90% of what the machine has for a rank is a warning in that line."""
+    import os
+    import placement
+    from model import Llama
+    cfg, tc = options.parse_args(["--tokenizer=gpt2"])
+    cfg.vocab_size = 50304
+    with torch.device("meta"):
+        n_params = Llama(cfg).num_params()
+    line = placement.sizing_line(cfg, tc, n_params, 1, 1)
+    assert line.startswith("sizing: the embedding and head hold 98% of the parameters (vocabulary 50,304 ")
+    parts, _ = placement.footprint(cfg, tc, n_params, 1, 1)
+    tokens = tc.batch_size * cfg.block_size
+    assert parts == {"state": 16 * n_params, "logits": 12 * 50304 * tokens,
+                     "activations": 136 * cfg.n_embd * tokens * cfg.n_layer}
+    assert "MORE THAN IT HAS" not in line
+    monkeypatch.setattr(os, "sysconf", lambda name: 1024 if name == "SC_PHYS_PAGES" else 4096)   # 4 MB
+    assert "of the 0.0 GB this machine has for it; MORE THAN IT HAS: lower --batch_size" in \
+        placement.sizing_line(cfg, tc, n_params, 1, 1)
 
 
 @pytest.mark.slow

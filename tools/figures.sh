@@ -1,7 +1,10 @@
 #!/bin/bash
 # figures.sh: the runs behind docs/figures/*.png and the plots drawn from them (tools/plot.py).
 #
-#   bash tools/figures.sh [RUNS_DIR]      # default runs/ ; about 16 minutes on the 2-core machine
+#   bash tools/figures.sh [RUNS_DIR [FIGURES_DIR]]   # default runs/ and docs/figures/; about 16 minutes
+#
+# It replaces FIGURES_DIR/archs.png and layouts.png, the committed figures by default (it says so
+# first); name another FIGURES_DIR to keep them.
 #
 # archs.png: dense, CoLA, svd and CoLA with LaX at the default shape, 1000 steps each on the embedded
 # corpus (BOOST arXiv 2512.12131 §7 compares at equal steps). layouts.png: CoLA at tp=1 and under
@@ -11,7 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 R=${1:-runs}
-mkdir -p "$R"
+FIG=${2:-docs/figures}
+mkdir -p "$R" "$FIG"
+echo "figures.sh: the runs go to $R/; this replaces $FIG/archs.png and $FIG/layouts.png" \
+     "$([ "$FIG" = docs/figures ] && echo '(the committed figures: git diff shows the change)')"
 ONE="--max_iters=1000 --eval_interval=100 --sample_tokens=0"
 for a in full cola svd; do
   OMP_NUM_THREADS=2 $PY train.py --arch=$a --out_dir="$R/$a" $ONE
@@ -25,7 +31,7 @@ for m in btp vanilla; do
 done
 $PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py --arch=full --tp=2 --tp_mode=megatron --out_dir="$R/megatron" $TP
 $PY tools/plot.py "$R/full" "$R/cola" "$R/svd" "$R/lax" --labels="dense,CoLA,svd,CoLA + LaX" \
-    --title="The default shape (d=128, 4 layers, r=32), 1000 steps of 16 x 128 byte tokens" -o docs/figures/archs.png
+    --title="The default shape (d=128, 4 layers, r=32), 1000 steps of 16 x 128 byte tokens" -o "$FIG/archs.png"
 $PY tools/plot.py "$R/tp1" "$R/btp" "$R/vanilla" "$R/megatron" \
     --labels="CoLA tp=1,CoLA btp tp=2,CoLA vanilla tp=2,dense megatron tp=2" \
-    --title="The layouts: the same batches, 300 steps" -o docs/figures/layouts.png
+    --title="The layouts: the same batches, 300 steps" -o "$FIG/layouts.png"
