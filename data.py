@@ -93,6 +93,17 @@ def new_path(text):
     return text
 
 
+def positive_float(text):
+    """An argument type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expects a number above 0, got {text!r}")
+    return value
+
+
 def positive_int(text):
     """An argument type: a whole number of at least 1."""
     try:

@@ -335,16 +335,6 @@ def _checkpoint_folder(text):
     return text
 
 
-def _temperature(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expects a number above 0, got {text!r}")
-    return value
-
-
 def _exported_file(text):
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text} is not a file (export a checkpoint first)")
@@ -370,7 +360,7 @@ def cli(argv):
     p.add_argument("model_file", type=_exported_file)
     p.add_argument("tokens", type=data.positive_int, nargs="?", default=200, help="tokens to generate (default 200)")
     p.add_argument("--prompt", default="", help="the text to continue (default: a new document)")
-    p.add_argument("--temperature", type=_temperature, default=0.8, help="above 0 (default 0.8)")
+    p.add_argument("--temperature", type=data.positive_float, default=0.8, help="above 0 (default 0.8)")
     p.add_argument("--top_k", type=int, default=50, help="sample from the k likeliest tokens; 0: from all (default 50)")
     p.add_argument("--seed", type=int, default=1337, help="of the sampling (default 1337)")
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -22,6 +22,7 @@ import dp_shard
 import kernels
 import layouts
 import prepare
+import train_state
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
 
@@ -165,6 +166,30 @@ def resume_args(argv, recorded):
     recorded (`recorded`: its checkpoint's config and train_config) where argv does not give them.
     Returns (Config, TrainConfig, the NOTED options argv changes, as 'key=old -> new')."""
     return _parse(argv, {k: v for k, v in recorded.items() if k not in PER_LAUNCH})
+
+
+def resume_plan(argv, tc, log):
+    """None for a run from scratch; else the train_state.Resume of the newest intact checkpoint in
+    out_dir, with the launch's options (.cfg, .tc): the ones that checkpoint recorded, where argv
+    does not give them again (a changed dataset or seed is said in one line)."""
+    found = train_state.candidates(tc.out_dir, tc.init_from)
+    if not found:
+        return None
+    resume = train_state.intact(found, log)
+    resume.cfg, resume.tc, changed = resume_args(argv, resume.record)
+    if changed:
+        log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
+    if resume.meta["iter_num"] >= resume.tc.max_iters:
+        raise ValueError(f"max_iters={resume.tc.max_iters} is not past iteration {resume.meta['iter_num']} "
+                         f"of {resume.found[0]}: nothing to train; pass a larger --max_iters")
+
+    def same(meta):   # an older checkpoint, resumed in its place, must give this launch its options
+        cfg, tc = resume_args(argv, train_state.recorded(meta))[:2]
+        theirs, ours = {**cfg.shape(), **asdict(tc)}, {**resume.cfg.shape(), **asdict(resume.tc)}
+        differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+        return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" if differ else None
+    resume.same = same
+    return resume
 
 
 def _parse(argv, recorded):

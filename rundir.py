@@ -53,6 +53,13 @@ def check_place(out_dir):
         path = parent
 
 
+def check_tensorboard(out_dir):
+    """ValueError if <out_dir>/tensorboard, where --tensorboard=true writes, is a file."""
+    board = os.path.join(out_dir, "tensorboard")
+    if os.path.exists(board) and not os.path.isdir(board):
+        raise ValueError(f"{board} is a file, where --tensorboard=true writes its events: move it away")
+
+
 def lock(out_dir):
     """Take <out_dir>/run.lock and return its open file (held while the caller keeps it open);
     ValueError if another run holds it."""

@@ -53,7 +53,7 @@ def main(argv):
     master, held = int(os.environ.get("RANK", "0")) == 0, None
     try:
         cfg, tc = options.parse_args(argv)
-        resume = resume_plan(argv, tc, print if master else (lambda *a: None))
+        resume = options.resume_plan(argv, tc, print if master else (lambda *a: None))
         if resume:   # continue the run: the options its checkpoint recorded, where argv does not give them
             cfg, tc = resume.cfg, resume.tc
         if resume and tc.tokenizer == resume.meta.get("tokenizer"):   # its file gone or changed: said first
@@ -63,10 +63,7 @@ def main(argv):
             train_state.read_meta(resume.found[0], cfg.shape(), tc.tokenizer)
         if tc.tensorboard:
             need("tensorboard", "--tensorboard=true")   # (one line now, not a traceback after the model is built)
-            if os.path.exists(os.path.join(tc.out_dir, "tensorboard")) and \
-                    not os.path.isdir(os.path.join(tc.out_dir, "tensorboard")):
-                raise ValueError(f"{os.path.join(tc.out_dir, 'tensorboard')} is a file, where --tensorboard=true "
-                                 "writes its events: move it away")
+            rundir.check_tensorboard(tc.out_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp, layout = options.plan_parallel(cfg, tc, world)
         checkpointing.check_recompute(cfg, tc.recompute)
@@ -99,30 +96,6 @@ def main(argv):
 
 
 # ------------------------------------------------------------------------------ setting up a run
-
-def resume_plan(argv, tc, log):
-    """None for a run from scratch; else the train_state.Resume of the newest intact checkpoint in
-    out_dir, with the launch's options (.cfg, .tc): the ones that checkpoint recorded, where argv
-    does not give them again (a changed dataset or seed is said in one line)."""
-    found = train_state.candidates(tc.out_dir, tc.init_from)
-    if not found:
-        return None
-    resume = train_state.intact(found, log)
-    resume.cfg, resume.tc, changed = options.resume_args(argv, resume.record)
-    if changed:
-        log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
-    if resume.meta["iter_num"] >= resume.tc.max_iters:
-        raise ValueError(f"max_iters={resume.tc.max_iters} is not past iteration {resume.meta['iter_num']} "
-                         f"of {resume.found[0]}: nothing to train; pass a larger --max_iters")
-
-    def same(meta):   # an older checkpoint, resumed in its place, must give this launch its options
-        cfg, tc = options.resume_args(argv, train_state.recorded(meta))[:2]
-        theirs, ours = {**cfg.shape(), **asdict(tc)}, {**resume.cfg.shape(), **asdict(resume.tc)}
-        differ = sorted(k for k in ours if theirs.get(k) != ours[k])
-        return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" if differ else None
-    resume.same = same
-    return resume
-
 
 def configure_optimizer(model, tc):
     """AdamW, weight decay on 2-D weights only (matrices and embeddings, not norm gains)."""
