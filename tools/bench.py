@@ -141,7 +141,7 @@ def measure(world, names, cfg, batch, iters):
                                                   f"{tmp}/out.json"), nprocs=world, start_method="spawn")
         out = json.loads(Path(f"{tmp}/out.json").read_text())
     for r in out.values():
-        r["ms"] = statistics.median(r["ms"])
+        r["ms"] = statistics.median(r["ms"]) if r["ms"] else None   # (iters=0: the counts alone)
     return out
 
 

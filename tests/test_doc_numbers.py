@@ -1,0 +1,92 @@
+"""test_doc_numbers.py: every deterministic number the docs print is the code's: the papers' models'
+parameter and FLOP counts (docs/models.md, model.py on the meta device), the TP traffic per layer
+(docs/results.md and the README's table, layouts.per_layer_traffic), and the layouts table's
+collectives, elements and bytes per step (docs/results.md, counted by tools/bench.py's own worker).
+Timings are measurements and are not checked; a docs number that drifts from the code fails here.
+"""
+import re
+import sys
+
+import pytest
+import torch
+
+import options
+from conftest import ROOT
+from layouts import per_layer_traffic
+from model import Llama
+
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def rows(page, header):
+    """The rows (lists of cells) of the markdown table under the line starting with `header`."""
+    lines = (ROOT / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    out = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        out.append([cell.strip() for cell in line.strip("|").split("|")])
+    return out
+
+
+def counts(path, arch, vocab=32000):
+    cfg, _ = options.parse_args([str(ROOT / "configs" / path), f"--arch={arch}"])
+    cfg.vocab_size = vocab
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return model.num_params(), model.flops_per_token(cfg.block_size)
+
+
+def test_models_md_counts_are_model_pys():
+    for model, file, arch, params, gflops, _ in rows("docs/models.md", "| model | file |"):
+        file = file.strip("`")
+        archs = ["full", "cola"] if "/" in params else [arch.split(",")[0].split()[0]]
+        for a, p, g in zip(archs, params.split(" / "), gflops.split(" / ")):
+            n, f = counts(file, a)
+            assert p.split()[0] == f"{round(n / 1e6):,}M", (model, a, p, n)
+            assert g == f"{f / 1e9:.2f}", (model, a, g, f)
+    n, _ = counts("default.toml", "cola", vocab=320)
+    assert "(0.40M at the bytes vocabulary)" in (ROOT / "docs/models.md").read_text() and f"{n / 1e6:.2f}" == "0.40"
+
+
+def default_cfg(*extra):
+    cfg, _ = options.parse_args(list(extra))
+    return cfg
+
+
+def test_traffic_tables_are_the_formulas():
+    """results.md's traffic table (formula and measured columns; the ledger equals the formula:
+    test_parallel_collectives.py) and the README's formula column, at the default shape."""
+    for layout, fwd_f, bwd_f, fwd, bwd, ratio in rows("docs/results.md", "| layout | fwd formula"):
+        lax = layout.endswith(", LaX")
+        cfg = default_cfg(*(["--lax=true"] if lax else []))
+        want = per_layer_traffic(layout.split(",")[0], cfg)
+        assert (int(fwd), int(bwd)) == want[:2], layout
+        assert fwd_f.endswith(f"= {want[0]}") and bwd_f.endswith(f"= {want[1]}"), layout
+        btp = per_layer_traffic("btp", cfg)[0]
+        assert ratio == f"{want[0] / btp:.2f}", layout
+    readme = {row[0]: row[1] for row in rows("README.md", "| layout | TP elements per token")}
+    for name, layout in (("Megatron TP, dense model", "megatron"), ("vanilla low-rank TP", "vanilla"),
+                         ("**BTP** (BOOST)", "btp")):
+        assert readme[name].endswith(f"= {per_layer_traffic(layout, default_cfg()).fwd:,}"), name
+
+
+@pytest.mark.slow
+def test_layouts_table_counts_are_the_benchs():
+    """The collectives, elements and MB per step of results.md's layouts table, counted by the bench's
+    worker at its shape (one sequence, scaled by the batch: every count is per token); the tp=4 rows
+    count what the tp=2 rows do (a rank's collectives do not depend on t under these layouts)."""
+    import bench
+    cfg, tc = options.parse_args(["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8"])
+    cfg.vocab_size = 320
+    table = rows("docs/results.md", "| tp | variant | ms/step")
+    names = [name for tp, name, *_ in table if tp == "2"]
+    got = bench.measure(2, names, cfg, 1, 0)
+    for tp, name, _, _, calls, elements, mb, *_ in table:
+        if tp == "1":
+            assert (calls, elements, mb) == ("0", "0", "0.00"), name
+            continue
+        r = got[name]
+        assert (int(calls), elements, mb) == (r["tp_calls"], f"{r['tp_elements'] * tc.batch_size:,}",
+                                              f"{r['tp_mb'] * tc.batch_size:.2f}"), (tp, name)
