@@ -296,8 +296,9 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
                     f"eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
     if n["train"] == 0 or n["val"] == 0:
         unit = f"pieces of up to {corpus.PIECE // 1024} KiB" if reader.opts[2] else "documents"
-        where = f"{dataset}" + (f" ({'; '.join(reader.skipped + reader.damaged)} skipped or damaged)"
-                                if reader.skipped or reader.damaged else "")
+        said = [f"{'; '.join(files)} {how}" for files, how in ((reader.skipped, "skipped"),
+                                                              (reader.damaged, "damaged")) if files]
+        where = f"{dataset}" + (f" ({'; '.join(said)})" if said else "")
         lines = f"; {n['bad_lines']:,} JSON lines or rows had no text (first: {first['line']})" \
             if n["bad_lines"] else ""
         raise ValueError(f"{where} is too small to split: {n['docs']} documents, {n['train'] + n['val']} tokens; "

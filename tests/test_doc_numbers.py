@@ -90,3 +90,17 @@ def test_layouts_table_counts_are_the_benchs():
         r = got[name]
         assert (int(calls), elements, mb) == (r["tp_calls"], f"{r['tp_elements'] * tc.batch_size:,}",
                                               f"{r['tp_mb'] * tc.batch_size:.2f}"), (tp, name)
+
+
+def test_every_command_in_the_docs_names_what_exists():
+    """Each train.py, prepare.py and tools/*.py command the README and docs show: its --key options
+    are train.py's (or the tool's own), its config files and scripts exist (the commands themselves
+    run in test_readme_commands.py and the tests of each tool)."""
+    known = set(options.options()) | {"key"}   # (--key=value: how the docs name the form)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for command in re.findall(r"(?:^|[`\s])((?:\S*/)?train\.py[^`\n|]*)", page.read_text(), re.M):
+            for key in re.findall(r"--(\w+)=", command):
+                assert key in known, f"{page.name}: {command.strip()} names --{key}, which train.py has not"
+        for path in re.findall(r"\b((?:configs|tools)/[a-z][\w.]*\.(?:toml|py|sh))\b", page.read_text()):
+            assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"

@@ -3,6 +3,7 @@ tokens axis from tokens_per_iter) and refuses bad input in one line; bench.py da
 hold the same documents, so they prepare to the same token files.
 """
 import json
+import re
 import sys
 
 import pytest
@@ -106,3 +107,25 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
     code, err = command(plot.main, tmp_path / "a", "-o", tmp_path / "x.png")
     assert code == 2 and "needs the matplotlib package: pip install matplotlib" in err and "\n" not in err
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+def test_draw_pictures_come_from_what_the_code_records(tmp_path, monkeypatch):
+    """tools/draw.py: one BTP layer's steps are --explain's (four all-reduces each way, their widths
+    in the formula's order), drawn; the traffic bars are bench.py traffic's ledger counts, drawn."""
+    pytest.importorskip("matplotlib")
+    import bench_traffic
+    import draw
+    text = draw.explain_layer()
+    fwd, bwd = draw.layer_steps(text, "fwd · layer 0"), draw.layer_steps(text, "bwd · layer 1")
+    widths = lambda steps: [re.search(r"tp: (\S+) per token", t).group(1) for k, t in steps if k == "all_reduce"]
+    assert widths(fwd) == ["3r+1", "r", "2r+1", "r"] and widths(bwd) == ["r", "2r", "r", "3r"]
+    assert ("GEMM", "B_q, B_k, B_v") in fwd
+    draw.draw_layer(text, tmp_path / "layer.png")
+    measured = {n: {"measured": [226.0, 224.0]} for n in draw.LAYOUTS}
+    monkeypatch.setattr(bench_traffic, "bench_traffic", lambda extra, tp: ("", measured))
+    code, err = command(draw.main, "traffic", "-o", tmp_path / "traffic.png")
+    assert code == 0, err
+    for name in ("layer.png", "traffic.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert command(draw.main, "traffic", "-o", tmp_path / "x.txt")[0] == 2

@@ -3,10 +3,11 @@
 Not a figure of the BOOST paper (arXiv 2512.12131) itself; the way its §7 comparisons (CoLA against
 dense at equal steps, the layouts' losses lying on one another, their step times) are looked at here.
 
-    python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b,...] [--title=TEXT]
+    python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b,...] [--title=TEXT] [--diff]
 
 Three panels: train loss (solid) and val loss (dots, dashed) against iterations; the same against
-tokens trained; tokens/s against iterations. Each run is drawn narrower than the one before, so
+tokens trained, or with --diff each run's |train loss - the first run's| on a log axis (runs that
+should be equal show how equal); the median tokens/s of each run (its first tenth left out). Each run is drawn narrower than the one before, so
 runs whose losses are equal (the layouts of one model) show as nested bands. -o names a .png, .svg or .pdf, replaced if it exists
 (no other file is written). Each OUT_DIR is a train.py out_dir; its label is the
 folder's name unless --labels names them. A resumed run's log holds every attempt: where an
@@ -64,28 +65,42 @@ def read_run(out_dir):
     return run
 
 
-def draw(runs, labels, out, title=None):
-    """The three panels of `runs` (read_run's) into the image file `out`."""
+def draw(runs, labels, out, title=None, diff=False):
+    """The three panels of `runs` (read_run's) into the image file `out`: loss against iterations;
+    against tokens, or with diff each run's |train loss - the first run's| on a log axis (equal
+    curves show their differences); the median tokens/s of each run (its first tenth left out)."""
     from tokenizer import need
+    import statistics
     matplotlib = need("matplotlib", "tools/plot.py")
     matplotlib.use("Agg")   # files only, no display
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    first = {p[0]: p[2] for p in runs[0]["train"]}
     for k, (run, label) in enumerate(zip(runs, labels)):
         color = f"C{k}"
         lw = 1 + 2.5 * (len(runs) - 1 - k) / max(1, len(runs) - 1)   # earlier runs wider: equal curves show as bands
-        for x, ax in ((0, axes[0]), (1, axes[1])):   # x: 0 iterations, 1 tokens
+        for x, ax in ((0, axes[0]), (1, axes[1])) if not diff else ((0, axes[0]),):   # x: 0 iterations, 1 tokens
             ax.plot([p[x] for p in run["train"]], [p[2] for p in run["train"]], color=color, lw=lw, label=f"{label} train")
             if run["val"]:
                 ax.plot([p[x] for p in run["val"]], [p[2] for p in run["val"]], "o--", color=color, ms=2 + lw,
                         lw=lw, label=f"{label} val")
-        axes[2].plot([p[0] for p in run["speed"]], [p[1] for p in run["speed"]], color=color, lw=1, label=label)
-    for ax, xlabel, ylabel in zip(axes, ("iteration", "tokens trained", "iteration"), ("loss", "loss", "tokens/s")):
+        if diff and k:
+            gaps = [(p[0], abs(p[2] - first[p[0]])) for p in run["train"] if p[0] in first]
+            axes[1].plot([g[0] for g in gaps], [max(g[1], 1e-9) for g in gaps], color=color, lw=1,
+                         label=f"{label} vs {labels[0]}")
+        speeds = [p[1] for p in run["speed"]][len(run["speed"]) // 10:]
+        if speeds:
+            axes[2].bar(k, statistics.median(speeds), color=color)
+    panel2 = ("iteration", f"|train loss - {labels[0]}'s| (1e-9: equal)") if diff else ("tokens trained", "loss")
+    for ax, xlabel, ylabel in zip(axes, ("iteration", panel2[0], "run"), ("loss", panel2[1], "median tokens/s")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+    if diff:
+        axes[1].set_yscale("log")
+        axes[1].legend(fontsize=7)
+    axes[2].set_xticks(range(len(runs)), labels, fontsize=7, rotation=15)
     axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -99,6 +114,7 @@ def main(argv):
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="a .png, .svg or .pdf (replaced)")
     parser.add_argument("--labels", help="comma-separated, one per OUT_DIR (default: the folders' names)")
     parser.add_argument("--title")
+    parser.add_argument("--diff", action="store_true", help="the middle panel: each run's loss minus the first's")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [Path(d).resolve().name for d in args.out_dirs]
     if len(labels) != len(args.out_dirs):
@@ -109,7 +125,7 @@ def main(argv):
         parser.error(f"the folder of {args.output} does not exist")
     try:
         runs = [read_run(d) for d in args.out_dirs]
-        draw(runs, labels, args.output, args.title)
+        draw(runs, labels, args.output, args.title, args.diff)
     except ValueError as e:
         parser.error(str(e))
     print(f"plot: {len(runs)} run(s) drawn into {args.output}")
