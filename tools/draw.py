@@ -78,12 +78,19 @@ def layer_steps(text, section):
             weight = re.search(r"@ (\w+?)ᵀ? \(", rest)
             name = weight.group(1) if weight else "weight gradient"
             if steps and steps[-1][0] == "GEMM":
-                steps[-1] = ("GEMM", steps[-1][1] + ", " + name)
+                steps[-1][1].append(name)
                 continue
-            steps.append(("GEMM", name))
+            steps.append(("GEMM", [name]))
         else:
             steps.append((kind, rest.strip()))
-    return steps
+    return [(kind, _gemms(text) if kind == "GEMM" else text) for kind, text in steps]
+
+
+def _gemms(names):
+    """'B_q, B_k, B_v', with the weight gradients among them counted ('3 weight gradients, A_qkv')."""
+    grads = names.count("weight gradient")
+    return ", ".join(([f"{grads} weight gradient{'s' if grads > 1 else ''}"] if grads else []) +
+                     [n for n in names if n != "weight gradient"])
 
 
 def draw_layer(text, out):
