@@ -48,16 +48,16 @@ def check_divisible(cfg, tp, layout, pp=1):
     if cfg.n_layer % pp:
         raise ValueError(f"n_layer={cfg.n_layer} cannot be split into pp={pp} equal stages")
     if layout not in LAYOUTS:
-        raise ValueError(f"tp_mode={layout} is not one of {', '.join(LAYOUTS)}")
+        raise ValueError(f"layout={layout} is not one of {', '.join(LAYOUTS)}")
     if layout == "megatron" and cfg.lowrank:
-        raise ValueError(f"tp_mode=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
+        raise ValueError(f"layout=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
     if layout != "megatron" and not cfg.lowrank:
-        raise ValueError(f"tp_mode={layout} splits bottlenecks; arch=full uses tp_mode=megatron")
+        raise ValueError(f"layout={layout} splits bottlenecks; arch=full uses layout=megatron")
     splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank) if layout == "vanilla" else \
         dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
     for name, value in splits.items():
         if value % tp:
-            raise ValueError(f"tp={tp} does not divide {name}={value} (tp_mode={layout})")
+            raise ValueError(f"tp={tp} does not divide {name}={value} (layout={layout})")
     if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
         raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the tokenizer's, "
                          "padded to a multiple of 64): use a tp that divides 64")

@@ -63,7 +63,7 @@ class TrainConfig:
     # parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
-    tp_mode: str = "auto"          # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
+    layout: str = "auto"           # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
     pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
     recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
@@ -81,7 +81,7 @@ class TrainConfig:
 
 
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
-           "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "tp_mode": ("auto",) + layouts.LAYOUTS,
+           "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "layout": ("auto",) + layouts.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES}
 FAULTS = ("kill", "nan", "kill_in_save")
@@ -119,7 +119,13 @@ def usage():
     return "\n".join(lines)
 
 
+RENAMED = {"tp_mode": "layout"}   # an option's old name -> its new one (refused, naming the new one)
+
+
 def _unknown(key, known, where):
+    if key in RENAMED:
+        return ValueError(f"{where}{'--' if not where else ''}{key} is now --{RENAMED[key]}: pass "
+                          f"--{RENAMED[key]}=... instead")
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else " (-h lists them)"
     return ValueError(f"{where}unknown option {'--' if not where else ''}{key}{hint}")
@@ -149,7 +155,7 @@ def read_config_file(path, known):
 
 
 # options of one launch, never taken from the record of the run a launch resumes
-PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "tp_mode", "pp_schedule",
+PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "layout", "pp_schedule",
               "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault", "num_proc", "data_dir",
               "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens"}
 NOTED = ("dataset", "seed", "tokenizer", "text_field", "val_fraction")   # a resume says when these change
@@ -294,7 +300,7 @@ def plan_parallel(cfg, tc, world):
     if tc.gradient_accumulation_steps % dp:
         raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by "
                          f"the {dp} data-parallel ranks")
-    layout = tc.tp_mode if tc.tp_mode != "auto" else ("btp" if cfg.lowrank else "megatron")
+    layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
     if tc.tp > 1 or tc.pp > 1:
         layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
     if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:

@@ -65,7 +65,7 @@ def test_explain_one_device(tmp_path, recompute):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, layout", CASES)
 def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch, layout):
-    out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--tp_mode={layout}")
+    out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--layout={layout}")
     tokens, totals, saved, sections, table = parse(out)
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
     fwd, bwd, _ = per_layer_traffic(layout, cfg)
@@ -82,7 +82,7 @@ def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch,
         return   # (the training step's comparison for btp and megatron keeps the suite short)
     # a real training step: the same TP bytes per token on rank 0
     torchrun(2, f"--out_dir={tmp_path / 'train'}", f"--data_dir={data_dir}", *TINY, f"--arch={arch}", "--tp=2",
-             f"--tp_mode={layout}", "--max_iters=1", "--eval_interval=100")
+             f"--layout={layout}", "--max_iters=1", "--eval_interval=100")
     step = metrics(tmp_path / "train")[0]
     explained = sum(e for (g, _, _), (_, e) in totals.items() if g == "tp") * 4   # fp32
     assert explained / tokens == step["tp_bytes"] / (4 * 32), (explained, step["tp_bytes"])
@@ -115,7 +115,7 @@ def test_every_collective_is_labelled_with_its_real_role(layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, layout", [("cola", "btp")])   # the baselines: at TP 2 above
 def test_explain_pp2_tp2(tmp_path, arch, layout):
-    out = explain(4, tmp_path, f"--arch={arch}", "--tp=2", f"--tp_mode={layout}", "--pp=2",
+    out = explain(4, tmp_path, f"--arch={arch}", "--tp=2", f"--layout={layout}", "--pp=2",
                   "--gradient_accumulation_steps=2")
     tokens, totals, saved, sections, table = parse(out)
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])

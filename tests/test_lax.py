@@ -206,7 +206,7 @@ def test_lax_train_py_equals_one_process(tmp_path, data_dir, arch, layout, gate,
     residual slice and each projection's latent whole: (d/t or d) + 4·ra + 3·rm per token."""
     args = [f"--data_dir={data_dir}", *lax_run(arch, layout, gate)]
     single = losses(run_train(tmp_path / "one", data_dir, *args[1:]))
-    torchrun(4 if "--pp=2" in extra else 2, f"--out_dir={tmp_path / 'par'}", *args, f"--tp_mode={layout}", *extra)
+    torchrun(4 if "--pp=2" in extra else 2, f"--out_dir={tmp_path / 'par'}", *args, f"--layout={layout}", *extra)
     records = metrics(tmp_path / "par")
     torch.testing.assert_close(torch.tensor(losses(records)), torch.tensor(single), rtol=1e-5, atol=1e-6)
     if "--pp=2" in extra:
@@ -221,7 +221,7 @@ def test_lax_resumes_across_layouts_and_exports(tmp_path, data_dir):
     common = [f"--data_dir={data_dir}", *lax_run(), "--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8"]
     straight = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
     torchrun(2, f"--out_dir={tmp_path / 'btp'}", *common, "--max_iters=4", "--tp=2")
-    for name, nproc, layout in (("vanilla", 2, ["--tp=2", "--tp_mode=vanilla"]), ("tp1", 1, [])):
+    for name, nproc, layout in (("vanilla", 2, ["--tp=2", "--layout=vanilla"]), ("tp1", 1, [])):
         shutil.copytree(tmp_path / "btp" / "checkpoints", tmp_path / name / "checkpoints")
         res = torchrun(nproc, f"--out_dir={tmp_path / name}", *common, "--init_from=resume", *layout)
         assert "resuming from" in res.stdout and "iter_0000004" in res.stdout

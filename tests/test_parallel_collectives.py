@@ -129,9 +129,9 @@ def test_ledger_volumes_and_collectives_equal_the_formulas(tmp_path):
     (2, ["--tp=2", "--n_kv_head=1"], "tp=2 does not divide n_kv_head=1"),
     (4, ["--tp=4", "--n_embd=18", "--n_head=1"], "tp=4 does not divide n_embd=18"),
     (2, ["--tp=2", "--mlp_width=99"], "tp=2 does not divide mlp_width=99"),
-    (2, ["--tp=2", "--tp_mode=vanilla", "--attn_rank=9"], "tp=2 does not divide attn_rank=9"),
-    (2, ["--tp=2", "--tp_mode=megatron"], "tp_mode=megatron is the dense baseline"),
-    (2, ["--tp=2", "--arch=full", "--tp_mode=btp"], "arch=full uses tp_mode=megatron"),
+    (2, ["--tp=2", "--layout=vanilla", "--attn_rank=9"], "tp=2 does not divide attn_rank=9"),
+    (2, ["--tp=2", "--layout=megatron"], "layout=megatron is the dense baseline"),
+    (2, ["--tp=2", "--arch=full", "--layout=btp"], "arch=full uses layout=megatron"),
 ])
 def test_bad_parallel_layouts(capsys, monkeypatch, tmp_path, world, argv, fragment):
     monkeypatch.setenv("WORLD_SIZE", str(world))

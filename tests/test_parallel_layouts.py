@@ -68,7 +68,7 @@ def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, 
               "--gradient_accumulation_steps=2", "--batch_size=2", f"--recompute={recompute}", f"--dtype={dtype}",
               f"--overlap={overlap}"]
     single = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
-    torchrun(nproc, f"--out_dir={tmp_path / 'tp'}", *common, "--tp=2", f"--tp_mode={layout}", f"--dp={dp}")
+    torchrun(nproc, f"--out_dir={tmp_path / 'tp'}", *common, "--tp=2", f"--layout={layout}", f"--dp={dp}")
     records = metrics(tmp_path / "tp")
     assert len(single) == 5 and all(r["tp_bytes"] > 0 for r in records if "loss" in r)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=1e-3, atol=1e-3)  # bf16 autocast

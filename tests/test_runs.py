@@ -183,6 +183,7 @@ def test_second_signal_stops_at_once():
     (["--grad_clip=-1"], "grad_clip=-1.0 must not be negative"),
     (["--seed=-1"], "seed=-1 must not be negative"),
     (["--seed=" + "9" * 30], "seed=" + "9" * 30 + " must be below 2**63"),
+    (["--tp_mode=vanilla"], "--tp_mode is now --layout: pass --layout=... instead"),
     (["--max_iters=-3"], "max_iters=-3 must not be negative"),
     (["--warmup_iters=-1"], "warmup_iters=-1 must not be negative"),
     (["--lr_decay_iters=-1"], "lr_decay_iters=-1 must not be negative"),

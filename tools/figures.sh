@@ -27,9 +27,9 @@ TP="--max_iters=300 --eval_interval=50 --sample_tokens=0"
 export OMP_NUM_THREADS=1
 $PY train.py --arch=cola --out_dir="$R/tp1" $TP
 for m in btp vanilla; do
-  $PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py --arch=cola --tp=2 --tp_mode=$m --out_dir="$R/$m" $TP
+  $PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py --arch=cola --tp=2 --layout=$m --out_dir="$R/$m" $TP
 done
-$PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py --arch=full --tp=2 --tp_mode=megatron --out_dir="$R/megatron" $TP
+$PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py --arch=full --tp=2 --layout=megatron --out_dir="$R/megatron" $TP
 $PY tools/plot.py "$R/full" "$R/cola" "$R/svd" "$R/lax" --labels="dense,CoLA,svd,CoLA + LaX" \
     --title="The default shape (d=128, 4 layers, r=32), 1000 steps of 16 x 128 byte tokens" -o "$FIG/archs.png"
 $PY tools/plot.py "$R/tp1" "$R/btp" "$R/vanilla" "$R/megatron" \
