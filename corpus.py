@@ -77,7 +77,7 @@ class Zstd(io.RawIOBase):
     def __init__(self, raw):
         import zstandard
         self.raw, self.make = raw, zstandard.ZstdDecompressor().decompressobj
-        self.frame, self.out, self.pos, self.open = self.make(), b"", 0, False   # open: inside a frame
+        self.frame, self.out, self.pos, self.open = self.make(), b"", 0, False   # open: in a frame
 
     def readable(self):
         return True
@@ -178,7 +178,8 @@ class Reader:
                         yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), open_stream(self.raw, packed))
                 except damaged_errors() as e:   # a corrupt .gz, .zst or .parquet: say so, keep what was read
                     why = f"{f} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
-                    (self.damaged if self.item_bytes > used else self.skipped).append(why)   # (used: kept)
+                    used_some = self.item_bytes > used   # (what was used is kept)
+                    (self.damaged if used_some else self.skipped).append(why)
             self.done_bytes = base + f.stat().st_size
         if self.items:
             yield self.opts, self.items
@@ -226,7 +227,7 @@ class Reader:
             for text in batch.column(0).to_pylist():
                 row += 1
                 blob = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None
-                held = None if text is None or blob is not None else type(text).__name__   # (not text)
+                held = None if text is None or blob is not None else type(text).__name__
                 yield from self._add(("row", str(f), self.doc, row, blob, held))
                 self.doc += 1
 

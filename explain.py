@@ -42,11 +42,13 @@ CARRIES = {("btp", "fwd", "3r+1"): "q, k, v latents + the norm statistic (online
            ("vanilla", "fwd", "d"): "partial sums of a row-parallel B", ("vanilla", "bwd", "d"): "gradient of an A's input",
            ("vanilla", "fwd", "kv"): "partial sums of B_k or B_v", ("vanilla", "fwd", "f"): "partial sums of B_gate or B_up",
            ("vanilla", "bwd", "f"): "gradient of A_down's input", ("btp", "bwd", "d"): "gradient of the head's input",
-           **{("vanilla", "bwd", w): "gradient of latents gathered for LaX's crossing" for w in ("r", "2r", "3r")},
+           **{("vanilla", "bwd", w): "gradient of latents gathered for LaX's crossing"
+              for w in ("r", "2r", "3r")},
            **{(lay, "fwd", "1"): "cross-entropy over the vocabulary shards: max, target logit, Σexp"
               for lay in ("btp", "megatron", "vanilla")}}
 GATHERS = {"btp": "the residual stream, gathered for the head",   # (TP's all-gathers, by layout)
-           "vanilla": "a projection's latent, gathered from its r/t slices for the next layer's crossing (LaX)"}
+           "vanilla": "a projection's latent, gathered from its r/t slices for the next layer's "
+                      "crossing (LaX)"}
 FSDP = {"all_gather": "a unit's parameters for the next ops, gathered over dp (FSDP2)",
         "reduce_scatter": "its gradients, summed and cut over dp (FSDP2)"}
 
@@ -152,7 +154,7 @@ class Recorder(TorchDispatchMode):
             self.pending.append(self.events[-1])
 
     def collective(self, op, group, phase, tensor, tokens):
-        fsdp = op in FSDP and group == "dp"   # (FSDP2's collectives run over dp, TP's gathers over tp)
+        fsdp = op in FSDP and group == "dp"   # (FSDP2's collectives run over dp, TP's over tp)
         per_token = tensor.numel() % tokens == 0 and phase != "grad" and not fsdp
         gather = op == "all_gather" and not fsdp
         prefer = ("d/t", "d") if op == "send" else PREFER["btp" if gather else self.layout] \
@@ -160,9 +162,9 @@ class Recorder(TorchDispatchMode):
         width = self.names.size(tensor.numel() // tokens, prefer) if per_token else "-"
         carries = "the residual stream to the next stage" if op == "send" and phase == "fwd" else \
             "its gradient back to the previous stage" if op == "send" else FSDP[op] if fsdp else \
-            GATHERS.get(self.layout, "") if gather else next((CARRIES[(self.layout, phase, w)]
-                                                             for w in width.split("=")
-                                                             if (self.layout, phase, w) in CARRIES), "")
+            GATHERS.get(self.layout, "") if gather else \
+            next((CARRIES[(self.layout, phase, w)] for w in width.split("=")
+                  if (self.layout, phase, w) in CARRIES), "")
         text = (f"{group}: " + (f"{width} per token = " if per_token else "") + f"{tensor.numel():,} elements"
                 + (f"  [{carries}]" if carries else ""))
         if self.phase() == "recompute" and phase == "fwd":

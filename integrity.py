@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
-    TensorStorageMetadata)
+    _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+    TensorProperties, TensorStorageMetadata)
 
 from data import crc32   # noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
 
@@ -71,13 +71,15 @@ def _ordered(*items):
 # (module, name) -> what a reference to it in .metadata gives: plain functions that check their
 # arguments, never the named class or function itself (pickle's BUILD sets attributes on whatever
 # object it is handed, a class or function included: nothing of the process is handed out)
+DCP = "torch.distributed.checkpoint."
 FUNCTIONS = {("pathlib", "PosixPath"): _path, ("torch", "Size"): _size,
-             ("torch.serialization", "_get_layout"): _layout, ("collections", "OrderedDict"): _ordered,
-             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING}
-# the dataclasses DCP's metadata is made of: made empty (NEWOBJ), then given their own fields (BUILD)
-DATACLASSES = {("torch.distributed.checkpoint.metadata", c.__name__): c for c in (
+             ("torch.serialization", "_get_layout"): _layout,
+             ("collections", "OrderedDict"): _ordered,
+             (DCP + "metadata", "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING}
+# the dataclasses DCP's metadata is made of: made empty (NEWOBJ), then given their fields (BUILD)
+DATACLASSES = {(DCP + "metadata", c.__name__): c for c in (
     Metadata, StorageMeta, MetadataIndex, ChunkStorageMetadata, TensorProperties,
-    TensorStorageMetadata)} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo}
+    TensorStorageMetadata)} | {(DCP + "filesystem", "_StorageInfo"): _StorageInfo}
 ALLOWED = set(FUNCTIONS) | set(DATACLASSES)
 
 
@@ -90,8 +92,9 @@ class MetadataUnpickler(pickle._Unpickler):
 
     def find_class(self, module, name):
         found = FUNCTIONS.get((module, name)) or DATACLASSES.get((module, name))
-        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            found = getattr(torch, name)
+        dtype = getattr(torch, name, None) if module == "torch" else None
+        if found is None and isinstance(dtype, torch.dtype):
+            found = dtype
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
         return found
@@ -110,19 +113,21 @@ class MetadataUnpickler(pickle._Unpickler):
         args = self.stack.pop()
         cls = self.stack.pop()
         if cls not in DATACLASSES.values() or args != ():
-            raise pickle.UnpicklingError(f".metadata makes a {cls!r}, which a checkpoint never does")
+            raise pickle.UnpicklingError(f".metadata makes a {cls!r}: a checkpoint never does")
         self.append(object.__new__(cls))
 
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
         if type(inst) not in DATACLASSES.values():
-            raise pickle.UnpicklingError(f".metadata sets attributes of {inst!r}, which a checkpoint never does")
+            raise pickle.UnpicklingError(f".metadata sets attributes of {inst!r}, which a "
+                                         "checkpoint never does")
         if type(inst) is TensorProperties:
             return _properties(inst, state)
         names = {f.name for f in dataclasses.fields(inst)}
-        if not isinstance(state, dict) or not set(state) <= names or not all(type(k) is str for k in state):
-            raise pickle.UnpicklingError(f".metadata gives a {type(inst).__name__} fields it has not")
+        if not isinstance(state, dict) or not set(state) <= names:
+            raise pickle.UnpicklingError(f".metadata gives a {type(inst).__name__} fields it has "
+                                         "not")
         for f in dataclasses.fields(inst):   # the defaults first: a field left out still exists
             if f.default is not dataclasses.MISSING:
                 inst.__dict__[f.name] = f.default
@@ -152,7 +157,8 @@ def check_metadata(metadata, files):
     """UnpicklingError unless `metadata` is DCP's Metadata of tensors whose every item reads a
     stretch of one of `files` (the folder's plain files, as meta.json lists them), untransformed."""
     if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+        raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP's "
+                                     "Metadata")
     items = metadata.state_dict_metadata
     if not isinstance(items, dict) or not all(
             isinstance(k, str) and type(v) is TensorStorageMetadata for k, v in items.items()):
@@ -163,12 +169,14 @@ def check_metadata(metadata, files):
     for index, info in storage.items():
         ok = type(index) is MetadataIndex and type(info) is _StorageInfo
         name = info.relative_path if ok else None
-        if not ok or not isinstance(name, str) or name not in files or os.path.basename(name) != name:
+        if not ok or not isinstance(name, str) or name not in files or "/" in name:
             raise pickle.UnpicklingError(f".metadata reads {name!r}, not a file meta.json lists in "
                                          "its own folder")
-        if type(info.offset) is not int or type(info.length) is not int or min(info.offset, info.length) < 0 \
-                or info.offset + info.length > files[name] or info.transform_descriptors:
-            raise pickle.UnpicklingError(f".metadata reads past the end of {name}, or through a transform")
+        start, length = info.offset, info.length
+        if type(start) is not int or type(length) is not int or min(start, length) < 0 \
+                or start + length > files[name] or info.transform_descriptors:
+            raise pickle.UnpicklingError(f".metadata reads past the end of {name}, or through a "
+                                         "transform")
 
 
 class Reader(FileSystemReader):
@@ -216,7 +224,8 @@ def dcp_load(state, path, files, no_dist):
             warnings.simplefilter("ignore", UserWarning)   # one process means no process group: we know
             dcp.load(state, storage_reader=reader, planner=Planner(), no_dist=no_dist)
     except (Exception, CheckpointException) as e:   # corrupt files: any error of DCP or of unpickling
-        return f".metadata or a shard is unreadable or corrupt ({reader.refused or type(e).__name__})"
+        why = reader.refused or type(e).__name__
+        return f".metadata or a shard is unreadable or corrupt ({why})"
     finally:
         root.setLevel(level)
     return None
@@ -284,6 +293,7 @@ def verify(path, meta):
 
     def check(name):
         got, want = crc32(os.path.join(path, name)), meta["files"][name]["crc32"]
-        return None if got == want else f"{name} fails its checksum (crc32 {got}, {want} was written)"
+        return None if got == want else \
+            f"{name} fails its checksum (crc32 {got}, {want} was written)"
     results = map_over_ranks(sorted(meta["files"]), check)
     return next((results[n] for n in sorted(results) if results[n]), None)

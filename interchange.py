@@ -27,7 +27,6 @@ line (ValueError).
 import argparse
 import json
 import os
-import pickle
 import sys
 import time
 import zlib
@@ -38,7 +37,7 @@ import integrity
 import model as llama
 import train_state
 import weights
-from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, need, write_for_hf
+from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, write_for_hf
 
 FORMATS = ("hf", "cola")
 PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n) for n in ("gate", "up", "down")]
@@ -191,7 +190,7 @@ def read(folder):
         cfg = llama.Config(**kw)
     except ValueError as e:
         raise ValueError(f"{folder}: config.json describes no model this project can build ({e})") from None
-    held, theirs = weights.shapes(folder), needed_shapes(cfg)   # (no model built, no tensor read yet)
+    held, theirs = weights.shapes(folder), needed_shapes(cfg)   # (no model built, no tensor read)
     for name, want in theirs.items():
         if name not in held:
             raise ValueError(f"{folder}: the weights have no {name}, which config.json's model needs")
@@ -276,7 +275,8 @@ def export(path, out, fmt="pt"):
     except (OSError, RuntimeError) as e:   # (torch.save's own file errors are RuntimeErrors)
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise ValueError(f"cannot write {out} ({getattr(e, 'strerror', None) or str(e).split(': ')[-1]})") from None
+        why = getattr(e, "strerror", None) or str(e).split(": ")[-1]
+        raise ValueError(f"cannot write {out} ({why})") from None
 
 
 def import_folder(folder, out_dir, tokenizer=None):
@@ -302,7 +302,7 @@ def import_folder(folder, out_dir, tokenizer=None):
     m.load_state_dict(state)
     tokenizer = keep_tokenizer(tokenizer, out_dir)   # a copy in out_dir/tokenizer/ for the runs that continue it
     meta = {"config": m.cfg.shape(), "tokenizer": tokenizer, "tokenizer_id": tokenizer_identity(tokenizer),
-            "train_config": {"tokenizer": tokenizer},   # (what a resume takes; every other option: its default)
+            "train_config": {"tokenizer": tokenizer},   # (a resume's; the other options: defaults)
             "run_id": rundir.new_run_id(), "imported_from": folder}
     return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
 
@@ -360,8 +360,10 @@ def cli(argv):
     p.add_argument("model_file", type=_exported_file)
     p.add_argument("tokens", type=data.positive_int, nargs="?", default=200, help="tokens to generate (default 200)")
     p.add_argument("--prompt", default="", help="the text to continue (default: a new document)")
-    p.add_argument("--temperature", type=data.positive_float, default=0.8, help="above 0 (default 0.8)")
-    p.add_argument("--top_k", type=int, default=50, help="sample from the k likeliest tokens; 0: from all (default 50)")
+    p.add_argument("--temperature", type=data.positive_float, default=0.8,
+                   help="above 0 (default 0.8)")
+    p.add_argument("--top_k", type=int, default=50,
+                   help="sample from the k likeliest tokens; 0: from all (default 50)")
     p.add_argument("--seed", type=int, default=1337, help="of the sampling (default 1337)")
     args = parser.parse_args(argv)
     t0 = time.time()
@@ -375,8 +377,9 @@ def cli(argv):
                 print(f"imported {args.folder} as {path}; continue with train.py --out_dir={args.out_dir} --init_from=resume")
         except ValueError as e:
             parser.error(str(e))
-        except OSError as e:   # a target that cannot be written: a read-only disk, a file in the way
-            parser.error(f"cannot write {e.filename or getattr(args, 'out', None) or args.out_dir} ({e.strerror or e})")
+        except OSError as e:   # a target that cannot be written: a read-only disk, a file there
+            target = e.filename or getattr(args, "out", None) or args.out_dir
+            parser.error(f"cannot write {target} ({e.strerror or e})")
         return
     try:
         m, tokenizer = load_exported(args.model_file)

@@ -50,7 +50,8 @@ def check_divisible(cfg, tp, layout, pp=1):
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout} is not one of {', '.join(LAYOUTS)}")
     if layout == "megatron" and cfg.lowrank:
-        raise ValueError(f"layout=megatron is the dense baseline; arch={cfg.arch} uses btp or vanilla")
+        raise ValueError(f"layout=megatron is the dense baseline; arch={cfg.arch} uses btp or "
+                         "vanilla")
     if layout != "megatron" and not cfg.lowrank:
         raise ValueError(f"layout={layout} splits bottlenecks; arch=full uses layout=megatron")
     splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank) if layout == "vanilla" else \

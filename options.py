@@ -63,7 +63,7 @@ class TrainConfig:
     # parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
-    layout: str = "auto"           # auto (btp for svd and cola, megatron for full) | btp | vanilla | megatron
+    layout: str = "auto"           # auto (btp, or megatron for full) | btp | vanilla | megatron
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
     pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
     recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
@@ -119,7 +119,7 @@ def usage():
     return "\n".join(lines)
 
 
-RENAMED = {"tp_mode": "layout"}   # an option's old name -> its new one (refused, naming the new one)
+RENAMED = {"tp_mode": "layout"}   # an option's old name -> its new one (refused, naming it)
 
 
 def _unknown(key, known, where):
@@ -186,14 +186,16 @@ def resume_plan(argv, tc, log):
     if changed:
         log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
     if resume.meta["iter_num"] >= resume.tc.max_iters:
-        raise ValueError(f"max_iters={resume.tc.max_iters} is not past iteration {resume.meta['iter_num']} "
-                         f"of {resume.found[0]}: nothing to train; pass a larger --max_iters")
+        raise ValueError(f"max_iters={resume.tc.max_iters} is not past iteration "
+                         f"{resume.meta['iter_num']} of {resume.found[0]}: nothing to train; "
+                         "pass a larger --max_iters")
 
     def same(meta):   # an older checkpoint, resumed in its place, must give this launch its options
         cfg, tc = resume_args(argv, train_state.recorded(meta))[:2]
         theirs, ours = {**cfg.shape(), **asdict(tc)}, {**resume.cfg.shape(), **asdict(resume.tc)}
         differ = sorted(k for k in ours if theirs.get(k) != ours[k])
-        return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" if differ else None
+        return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" \
+            if differ else None
     resume.same = same
     return resume
 

@@ -79,7 +79,7 @@ def build_model(cfg, tc, place, layout):
     return model, *counts
 
 
-ACTIVATION_BYTES = 34 * 4   # saved and transient bytes a token a layer per unit of width, fp32 (measured)
+ACTIVATION_BYTES = 34 * 4   # saved and transient bytes a token, a layer, a unit of width (measured)
 
 
 def footprint(cfg, tc, n_params, dp, world):
@@ -95,7 +95,8 @@ def footprint(cfg, tc, n_params, dp, world):
              "logits": 3 * 4 * cfg.vocab_size * tokens / tc.tp}
     device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda"):
-        machine = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        machine = torch.cuda.get_device_properties(local_rank).total_memory
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
@@ -109,11 +110,11 @@ def sizing_line(cfg, tc, n_params, dp, world):
     parts, machine = footprint(cfg, tc, n_params, dp, world)
     need = sum(parts.values())
     line = (f"sizing: the embedding{'' if cfg.tie_embeddings else ' and head'} hold "
-            f"{100 * emb / n_params:.0f}% of the parameters (vocabulary {cfg.vocab_size:,} × n_embd "
-            f"{cfg.n_embd}); about {need / 1e9:.1f} GB a rank at the peak (state "
+            f"{100 * emb / n_params:.0f}% of the parameters (vocabulary {cfg.vocab_size:,} × "
+            f"n_embd {cfg.n_embd}); about {need / 1e9:.1f} GB a rank at the peak (state "
             f"{parts['state'] / 1e9:.1f}, activations {parts['activations'] / 1e9:.1f}, logits "
             f"{parts['logits'] / 1e9:.1f}) of the {machine / 1e9:.1f} GB this machine has for it")
     if need > 0.9 * machine:
-        line += ("; MORE THAN IT HAS: lower --batch_size (--gradient_accumulation_steps keeps the batch), "
-                 "use --recompute, or more ranks")
+        line += ("; MORE THAN IT HAS: lower --batch_size (--gradient_accumulation_steps keeps the "
+                 "batch), use --recompute, or more ranks")
     return line

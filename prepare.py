@@ -99,7 +99,8 @@ def tokenize(task):
     """One task -> (train ids, val ids, stats). A task is (options, items), each item one of
     ("text", file, document, piece index, bytes, last piece of the document) and
     ("jsonl", file, document, line number, line bytes, None) and ("row", file, document, row number,
-    its text's bytes or None where it had no text, the type of a value that was not text or None)."""
+    its text's bytes or None where it had no text, the type of a value that was not text or
+    None)."""
     (fraction, field, by_piece), items = task
     typecode = "H" if token_dtype(_enc.n_vocab) == np.uint16 else "I"
     train, val = array.array(typecode), array.array(typecode)   # 2 or 4 bytes a token, not a Python int
@@ -311,8 +312,8 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     mb = (reader.total_bytes or reader.item_bytes) / 1e6
     notes = [f"{len(reader.skipped)} file(s) skipped (first: {reader.skipped[0]})"] if reader.skipped else []
     if reader.damaged:
-        notes.append(f"{len(reader.damaged)} damaged file(s) read up to the damage, their documents "
-                     f"until then kept (first: {reader.damaged[0]})")
+        notes.append(f"{len(reader.damaged)} damaged file(s) read up to the damage, their "
+                     f"documents until then kept (first: {reader.damaged[0]})")
     if n["bad_bytes"]:
         notes.append(f"{n['bad_bytes']:,} invalid UTF-8 bytes replaced in {len(bad_files)} file(s) (first: {first['bytes']})")
     if n["bad_lines"]:

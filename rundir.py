@@ -44,9 +44,11 @@ def check_place(out_dir):
     path = os.path.realpath(out_dir)
     while path != os.path.dirname(path):
         name, parent = os.path.basename(path), os.path.dirname(path)
-        inside = re.fullmatch(r"iter_\d+(\.tmp)?", name) and os.path.basename(parent) == "checkpoints"
-        if inside or (name == "checkpoints" and any(os.path.exists(os.path.join(parent, f))
-                                                     for f in ("run.json", "run.lock", "metrics.jsonl"))):
+        inside = re.fullmatch(r"iter_\d+(\.tmp)?", name) and \
+            os.path.basename(parent) == "checkpoints"
+        a_run = any(os.path.exists(os.path.join(parent, f))
+                    for f in ("run.json", "run.lock", "metrics.jsonl"))
+        if inside or (name == "checkpoints" and a_run):
             raise ValueError(f"out_dir {out_dir} is inside the checkpoints of the run in "
                              f"{parent if not inside else os.path.dirname(parent)}, which removes "
                              "what it holds when it prunes: choose an out_dir outside it")
@@ -57,7 +59,8 @@ def check_tensorboard(out_dir):
     """ValueError if <out_dir>/tensorboard, where --tensorboard=true writes, is a file."""
     board = os.path.join(out_dir, "tensorboard")
     if os.path.exists(board) and not os.path.isdir(board):
-        raise ValueError(f"{board} is a file, where --tensorboard=true writes its events: move it away")
+        raise ValueError(f"{board} is a file, where --tensorboard=true writes its events: move it "
+                         "away")
 
 
 def lock(out_dir):

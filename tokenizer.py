@@ -116,8 +116,9 @@ class HuggingFace:
         special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
         eos = configured or next((n for n in EOS_NAMES if n in special), None)
         if configured and self.tok.token_to_id(configured) is None:
-            raise ValueError(f"the eos_token {configured!r} of {path.parent / 'tokenizer_config.json'} is not in "
-                             f"the vocabulary of {path}")
+            config = path.parent / "tokenizer_config.json"
+            raise ValueError(f"the eos_token {configured!r} of {config} is not in the vocabulary "
+                             f"of {path}")
         if eos is None:
             raise ValueError(f"cannot tell the end-of-document token of {path}: put a tokenizer_config.json "
                              "with its eos_token beside it")

@@ -54,9 +54,9 @@ def main(argv):
     try:
         cfg, tc = options.parse_args(argv)
         resume = options.resume_plan(argv, tc, print if master else (lambda *a: None))
-        if resume:   # continue the run: the options its checkpoint recorded, where argv does not give them
+        if resume:   # continue the run: the options its checkpoint recorded, unless argv gives them
             cfg, tc = resume.cfg, resume.tc
-        if resume and tc.tokenizer == resume.meta.get("tokenizer"):   # its file gone or changed: said first
+        if resume and tc.tokenizer == resume.meta.get("tokenizer"):   # its file gone or changed?
             train_state.check_tokenizer(resume.found[0], resume.meta, tc.tokenizer)
         cfg.vocab_size = options.vocab_size(tc.tokenizer)
         if resume:
@@ -136,8 +136,9 @@ def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
         raw_model, n_params, flops_per_token = placement.build_model(cfg, tc, place, layout)
         optimizer = configure_optimizer(raw_model, tc)
         iter_num, run_id, resume_from, skipped = 0, rundir.new_run_id(), None, []
-        if resume:   # the newest checkpoint that verifies and loads (each one that does not: a line)
-            load = lambda path, meta: train_state.load(path, meta, raw_model, optimizer, place.ckpt_mesh)
+        if resume:   # the newest checkpoint that verifies and loads (each other one: a line)
+            mesh = place.ckpt_mesh
+            load = lambda path, meta: train_state.load(path, meta, raw_model, optimizer, mesh)
             resume_from, meta, skipped = train_state.choose(resume, cfg.shape(), tc.tokenizer, load,
                                                             resume.same, log)
             iter_num, run_id = meta["iter_num"], meta.get("run_id", run_id)
@@ -309,11 +310,11 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
             "dp_bytes": LEDGER.total("dp", unit="bytes"), "pp_bytes": LEDGER.total("pp", unit="bytes")}
     eta = elapsed / (iter_num + 1 - start_iter) * (tc.max_iters - iter_num - 1)
     mem_gb, grad_norm = rundir.peak_memory_gb(run.place.device), float(run.grad_norm)
-    run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": dt * 1000,
-                       "tokens_per_s": tokens_per_s, **comm, **({"mfu": mfu} if mfu is not None else {}),
-                       "mem_gb": mem_gb, **record})
-    run.log(f"iter {iter_num}/{tc.max_iters}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, "
-            f"{dt * 1000:.1f} ms, "
+    run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                       "ms": dt * 1000, "tokens_per_s": tokens_per_s, **comm,
+                       **({"mfu": mfu} if mfu is not None else {}), "mem_gb": mem_gb, **record})
+    run.log(f"iter {iter_num}/{tc.max_iters}: loss {loss:.4f}, lr {lr:.2e}, "
+            f"grad norm {grad_norm:.3f}, {dt * 1000:.1f} ms, "
             f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s, "
             f"comm {comm['comm_bytes'] / 1e6:.2f} MB" + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, eta {rundir.duration(eta)}")

@@ -200,7 +200,8 @@ def intact(found, log):
         log(f"skipping checkpoint {path}: {problem}")
         problems.append(f"{os.path.basename(path)}: {problem}")
         skipped.append(path)
-    raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} ({'; '.join(problems)})")
+    raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} "
+                     f"({'; '.join(problems)})")
 
 
 def read_meta(path, config=(), tokenizer=None):
@@ -225,18 +226,20 @@ def read_meta(path, config=(), tokenizer=None):
 
 
 def check_tokenizer(path, meta, tokenizer):
-    """ValueError unless `tokenizer` (None: nothing to compare) is the one the checkpoint was written
-    with: the same file, unchanged, where it names a file."""
+    """ValueError unless `tokenizer` (None: nothing to compare) is the one the checkpoint was
+    written with: the same file, unchanged, where it names a file."""
     if tokenizer is None:
         return
     theirs = meta.get("tokenizer_id", meta.get("tokenizer"))   # (checkpoints of bytes and gpt2 named them only)
-    if tokenizer == meta.get("tokenizer") and tokenizer not in ("bytes", "gpt2") and not os.path.exists(tokenizer):
-        raise ValueError(f"the tokenizer {tokenizer} that checkpoint {path} was written with is gone (deleted or "
-                         "moved): put it back, or pass --tokenizer= a copy of it")
+    same_file = tokenizer == meta.get("tokenizer") and tokenizer not in ("bytes", "gpt2")
+    if same_file and not os.path.exists(tokenizer):
+        raise ValueError(f"the tokenizer {tokenizer} that checkpoint {path} was written with is "
+                         "gone (deleted or moved): put it back, or pass --tokenizer= a copy of it")
     mine = tokenizer_identity(tokenizer)
     if theirs != mine and tokenizer == meta.get("tokenizer"):
-        raise ValueError(f"the tokenizer file {tokenizer} changed since checkpoint {path} was written with it "
-                         f"(it was {theirs}, it is {mine} now): put back the file the run was trained with")
+        raise ValueError(f"the tokenizer file {tokenizer} changed since checkpoint {path} was "
+                         f"written with it (it was {theirs}, it is {mine} now): put back the file "
+                         "the run was trained with")
     if theirs != mine:
         raise ValueError(f"checkpoint {path} was written with the tokenizer {theirs} ({meta.get('tokenizer')}), this "
                          f"run's --tokenizer={tokenizer} is {mine}: pass the same tokenizer")
@@ -252,7 +255,8 @@ def choose(resume, config, tokenizer, load, same, log=print):
     for i, path in enumerate(resume.found):
         try:
             meta = read_meta(path, config, tokenizer)
-            problem = integrity.verify(path, meta) or (same(meta) if i else None) or load(path, meta)
+            problem = integrity.verify(path, meta) or (same(meta) if i else None) or \
+                load(path, meta)
         except integrity.Damaged as e:
             problem = str(e)
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
@@ -262,7 +266,8 @@ def choose(resume, config, tokenizer, load, same, log=print):
         log(f"skipping checkpoint {path}: {problem}")
         problems.append(f"{os.path.basename(path)}: {problem}")
         skipped.append(path)
-    raise ValueError(f"no usable checkpoint in {os.path.dirname(resume.found[0])} ({'; '.join(problems)})")
+    raise ValueError(f"no usable checkpoint in {os.path.dirname(resume.found[0])} "
+                     f"({'; '.join(problems)})")
 
 
 def load(path, meta, raw_model, optimizer, mesh):
@@ -270,7 +275,7 @@ def load(path, meta, raw_model, optimizer, mesh):
     the one line that says why it could not be read (the same on every rank)."""
     copies = []
     views = state_views(raw_model, optimizer, mesh, copies)
-    error = integrity.dcp_load(views, path, meta["files"], no_dist=mesh is None)   # never unpickles code
+    error = integrity.dcp_load(views, path, meta["files"], no_dist=mesh is None)   # (no code runs)
     if dist.is_initialized():  # all ranks fail together, none is left waiting in a collective
         box = [None] * dist.get_world_size()
         dist.all_gather_object(box, error)

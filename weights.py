@@ -37,15 +37,16 @@ def _plain(path, what):
 
 
 def header(path):
-    """{name: shape} of a safetensors file, from its header alone; ValueError with one line where the
-    header is damaged or does not describe the file's bytes."""
+    """{name: shape} of a safetensors file, from its header alone; ValueError with one line where
+    the header is damaged or does not describe the file's bytes."""
     _plain(path, path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 2 <= n <= min(HEADER_MAX, size - 8):
-            raise ValueError(f"{path}: its header length ({n}) does not fit the file's {size} bytes")
+            raise ValueError(f"{path}: its header length ({n}) does not fit the file's {size} "
+                             "bytes")
         try:
             entries = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -60,18 +61,20 @@ def header(path):
     end = 0
     for start, stop, name in sorted(spans):
         if start < end or stop > size - 8 - n:
-            raise ValueError(f"{path}: {name}'s bytes overlap another's or lie past the end of the file")
+            raise ValueError(f"{path}: {name}'s bytes overlap another's or lie past the end of the "
+                             "file")
         end = stop
     return shapes
 
 
 def _entry(path, name, e):
     """The shape of one header entry, checked against its dtype and byte range."""
-    ok = isinstance(e, dict) and e.get("dtype") in DTYPES and isinstance(e.get("shape"), list) and \
-        all(type(d) is int and d >= 0 for d in e["shape"]) and isinstance(e.get("data_offsets"), list) \
-        and len(e["data_offsets"]) == 2 and all(type(o) is int and o >= 0 for o in e["data_offsets"])
+    naturals = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
+    ok = isinstance(e, dict) and e.get("dtype") in DTYPES and naturals(e.get("shape")) and \
+        naturals(e.get("data_offsets")) and len(e["data_offsets"]) == 2
     if not ok:
-        raise ValueError(f"{path}: the header's entry for {name!r} is not a dtype, shape and offsets")
+        raise ValueError(f"{path}: the header's entry for {name!r} is not a dtype, shape and "
+                         "offsets")
     numel = 1
     for d in e["shape"]:
         numel *= d
@@ -100,18 +103,22 @@ def load(folder):
         try:
             return safetensors().load_file(path)
         except (OSError, RuntimeError, ValueError) as e:   # safetensors' own errors are these
-            raise ValueError(f"{folder}: {WEIGHTS} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
+            raise ValueError(f"{folder}: {WEIGHTS} is unreadable ({type(e).__name__}: "
+                             f"{str(e)[:80]})") from None
     path = os.path.join(folder, "pytorch_model.bin")
     if not os.path.lexists(path):
-        raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor pytorch_model.bin")
+        raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor "
+                         "pytorch_model.bin")
     _plain(path, path)
     try:
         tensors = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError:
-        raise ValueError(f"{folder}: pytorch_model.bin holds more than tensors, and it is not unpickled "
-                         f"(convert it to {WEIGHTS})") from None
+        raise ValueError(f"{folder}: pytorch_model.bin holds more than tensors, and it is not "
+                         f"unpickled (convert it to {WEIGHTS})") from None
     except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise ValueError(f"{folder}: pytorch_model.bin is unreadable ({type(e).__name__})") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"{folder}: pytorch_model.bin is unreadable ({type(e).__name__})") \
+            from None
+    if not isinstance(tensors, dict) or \
+            not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise ValueError(f"{folder}: pytorch_model.bin is not a dict of tensors")
     return tensors

@@ -32,8 +32,8 @@ def readme_commands():
     text = (ROOT / "README.md").read_text()
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            argv = shlex.split(command, comments=True)
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
             if argv:
                 out.append(argv)
     return out

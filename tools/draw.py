@@ -3,7 +3,7 @@
 BOOST (arXiv 2512.12131) §4 moves the tensor-parallel boundary to the bottleneck; these show it:
 
     python tools/draw.py traffic -o docs/figures/traffic.png   # TP elements per token per layer
-    python tools/draw.py layer -o docs/figures/btp_layer.png   # one BTP layer, its ops and all-reduces
+    python tools/draw.py layer -o docs/figures/btp_layer.png   # one BTP layer: ops, all-reduces
 
 traffic: forward and backward, per layout (Megatron on the dense model, vanilla low-rank TP, BTP,
 and both low-rank layouts with LaX), as the ledger counts them in a real step at tp=2 (bench.py
@@ -87,7 +87,7 @@ def layer_steps(text, section):
 
 
 def _gemms(names):
-    """'B_q, B_k, B_v', with the weight gradients among them counted ('3 weight gradients, A_qkv')."""
+    """'B_q, B_k, B_v', the weight gradients among them counted ('3 weight gradients, A_qkv')."""
     grads = names.count("weight gradient")
     return ", ".join(([f"{grads} weight gradient{'s' if grads > 1 else ''}"] if grads else []) +
                      [n for n in names if n != "weight gradient"])
@@ -111,7 +111,8 @@ def draw_layer(text, out):
                 label = f"{kind} {width}/token: {carries or ''}"
             ax.text(x + 0.01, y, f"{kind}: {label}" if not comm else label, fontsize=8, va="center",
                     color="white" if comm else "black",
-                    bbox=dict(boxstyle="round,pad=0.3", fc="#c0392b" if comm else "#eeeeee", ec="none"))
+                    bbox=dict(boxstyle="round,pad=0.3", fc="#c0392b" if comm else "#eeeeee",
+                              ec="none"))
     ax.set_xlim(0, 1)
     ax.set_ylim(-1, rows + 1)
     ax.axis("off")
@@ -123,16 +124,22 @@ def draw_layer(text, out):
 
 
 def main(argv):
-    parser = data.CommandParser(prog="tools/draw.py", description="Draw BOOST's traffic and one BTP layer.")
+    parser = data.CommandParser(prog="tools/draw.py",
+                                description="Draw BOOST's traffic and one BTP layer.")
     parser.add_argument("what", choices=("traffic", "layer"))
-    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="a .png, .svg or .pdf (replaced)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                        help="a .png, .svg or .pdf (replaced)")
     args = parser.parse_args(argv)
     if Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
-        parser.error(f"-o {args.output}: name a .png, .svg or .pdf file (only an image is ever replaced)")
+        parser.error(f"-o {args.output}: name a .png, .svg or .pdf file (only an image is ever "
+                     "replaced)")
     if not Path(args.output).resolve().parent.is_dir():
         parser.error(f"the folder of {args.output} does not exist")
     try:
-        draw_traffic(args.output) if args.what == "traffic" else draw_layer(explain_layer(), args.output)
+        if args.what == "traffic":
+            draw_traffic(args.output)
+        else:
+            draw_layer(explain_layer(), args.output)
     except ValueError as e:
         parser.error(str(e))
     print(f"draw: {args.what} drawn into {args.output}")

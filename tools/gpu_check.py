@@ -104,9 +104,11 @@ def missing(cpu):
     try:
         import torch
     except ImportError:
-        return f"gpu_check needs PyTorch, which {sys.executable} cannot import: run it with the python that has it"
+        return (f"gpu_check needs PyTorch, which {sys.executable} cannot import: run it with the "
+                "python that has it")
     if not cpu and not torch.cuda.is_available():
-        return "no CUDA device here: run it on a GPU machine, or use --cpu for the same steps, small, on a CPU"
+        return ("no CUDA device here: run it on a GPU machine, or use --cpu for the same steps, "
+                "small, on a CPU")
     return None
 
 
@@ -118,7 +120,7 @@ def main(argv):
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--budget_s", type=float, default=480, help="the whole check's limit (default 480)")
     ap.add_argument("--json", default=str(ROOT / "gpu-check" / "summary.json"),
-                    help="where the summary goes (default gpu-check/summary.json in the repository)")
+                    help="the summary's file (default gpu-check/summary.json in the repository)")
     ap.add_argument("--cpu", action="store_true", help="the same steps, small, on a CPU (the tests' mode)")
     ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)   # one step, in its own process
     ap.add_argument("--out", help=argparse.SUPPRESS)                          # the train step's scratch folder

@@ -3,16 +3,17 @@
 Not a figure of the BOOST paper (arXiv 2512.12131) itself; the way its §7 comparisons (CoLA against
 dense at equal steps, the layouts' losses lying on one another, their step times) are looked at here.
 
-    python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b,...] [--title=TEXT] [--diff]
+    python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b] [--title=TEXT] [--diff]
 
 Three panels: train loss (solid) and val loss (dots, dashed) against iterations; the same against
 tokens trained, or with --diff each run's |train loss - the first run's| on a log axis (runs that
-should be equal show how equal); the median tokens/s of each run (its first tenth left out). Each run is drawn narrower than the one before, so
-runs whose losses are equal (the layouts of one model) show as nested bands. -o names a .png, .svg or .pdf, replaced if it exists
-(no other file is written). Each OUT_DIR is a train.py out_dir; its label is the
-folder's name unless --labels names them. A resumed run's log holds every attempt: where an
-iteration was logged twice (a run resumed from an earlier checkpoint), the later record is drawn.
-Needs matplotlib (`pip install matplotlib`), which only this tool imports.
+should be equal show how equal); the median tokens/s of each run (its first tenth left out). Each
+run is drawn narrower than the one before, so runs whose losses are equal (the layouts of one
+model) show as nested bands. -o names a .png, .svg or .pdf, replaced if it exists (no other file is
+written). Each OUT_DIR is a train.py out_dir; its label is the folder's name unless --labels names
+them. A resumed run's log holds every attempt: where an iteration was logged twice (a run resumed
+from an earlier checkpoint), the later record is drawn. Needs matplotlib (`pip install
+matplotlib`), which only this tool imports.
 """
 import json
 import sys
@@ -35,7 +36,7 @@ def read_run(out_dir):
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a text file (a train.py metrics.jsonl is JSON Lines)") from None
+        raise ValueError(f"{path} is not a text file (a metrics.jsonl is JSON Lines)") from None
     records, per_iter = {}, None
     for line_no, line in enumerate(text.splitlines(), 1):
         try:
@@ -79,7 +80,8 @@ def draw(runs, labels, out, title=None, diff=False):
     for k, (run, label) in enumerate(zip(runs, labels)):
         color = f"C{k}"
         lw = 1 + 2.5 * (len(runs) - 1 - k) / max(1, len(runs) - 1)   # earlier runs wider: equal curves show as bands
-        for x, ax in ((0, axes[0]), (1, axes[1])) if not diff else ((0, axes[0]),):   # x: 0 iterations, 1 tokens
+        panels = ((0, axes[0]), (1, axes[1])) if not diff else ((0, axes[0]),)
+        for x, ax in panels:   # x: 0 iterations, 1 tokens
             ax.plot([p[x] for p in run["train"]], [p[2] for p in run["train"]], color=color, lw=lw, label=f"{label} train")
             if run["val"]:
                 ax.plot([p[x] for p in run["val"]], [p[2] for p in run["val"]], "o--", color=color, ms=2 + lw,
@@ -91,8 +93,10 @@ def draw(runs, labels, out, title=None, diff=False):
         speeds = [p[1] for p in run["speed"]][len(run["speed"]) // 10:]
         if speeds:
             axes[2].bar(k, statistics.median(speeds), color=color)
-    panel2 = ("iteration", f"|train loss - {labels[0]}'s| (1e-9: equal)") if diff else ("tokens trained", "loss")
-    for ax, xlabel, ylabel in zip(axes, ("iteration", panel2[0], "run"), ("loss", panel2[1], "median tokens/s")):
+    panel2 = ("iteration", f"|train loss - {labels[0]}'s| (1e-9: equal)") if diff else \
+        ("tokens trained", "loss")
+    for ax, xlabel, ylabel in zip(axes, ("iteration", panel2[0], "run"),
+                                  ("loss", panel2[1], "median tokens/s")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -114,7 +118,8 @@ def main(argv):
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="a .png, .svg or .pdf (replaced)")
     parser.add_argument("--labels", help="comma-separated, one per OUT_DIR (default: the folders' names)")
     parser.add_argument("--title")
-    parser.add_argument("--diff", action="store_true", help="the middle panel: each run's loss minus the first's")
+    parser.add_argument("--diff", action="store_true",
+                        help="the middle panel: each run's loss minus the first's")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [Path(d).resolve().name for d in args.out_dirs]
     if len(labels) != len(args.out_dirs):
