@@ -185,10 +185,6 @@ def resume_plan(argv, tc, log):
     resume.cfg, resume.tc, changed = resume_args(argv, resume.record)
     if changed:
         log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
-    if resume.meta["iter_num"] >= resume.tc.max_iters:
-        raise ValueError(f"max_iters={resume.tc.max_iters} is not past iteration "
-                         f"{resume.meta['iter_num']} of {resume.found[0]}: nothing to train; "
-                         "pass a larger --max_iters")
 
     def same(meta):   # an older checkpoint, resumed in its place, must give this launch its options
         cfg, tc = resume_args(argv, train_state.recorded(meta))[:2]
