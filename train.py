@@ -142,7 +142,7 @@ def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
             resume_from, meta, skipped = train_state.choose(resume, cfg.shape(), tc.tokenizer, load,
                                                             resume.same, log)
             iter_num, run_id = meta["iter_num"], meta.get("run_id", run_id)
-            if iter_num >= tc.max_iters:   # (here: a damaged newest checkpoint may leave steps to run)
+            if iter_num >= tc.max_iters:   # (here: a damaged newest checkpoint may leave steps)
                 raise ValueError(f"max_iters={tc.max_iters} is not past iteration {iter_num} of "
                                  f"{resume_from}: nothing to train; pass a larger --max_iters")
             log(f"resuming from {resume_from} (iteration {iter_num})")
