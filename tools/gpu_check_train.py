@@ -17,9 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--n_kv_head=4", "--block_size=256", "--batch_size=8",
-       "--max_iters=30", "--lr_decay_iters=30", "--eval_interval=15"]
-CPU = ["--n_layer=2", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--batch_size=2",
-       "--max_iters=4", "--lr_decay_iters=4", "--eval_interval=2"]   # (interpreted Triton: seconds a step)
+       "--max_iters=30", "--lr_decay_iters=30", "--eval_interval=15", "--eval_iters=2"]
+CPU = ["--n_layer=1", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=32", "--batch_size=2",
+       "--max_iters=4", "--lr_decay_iters=4", "--eval_interval=2", "--eval_iters=1"]   # (interpreted
+# Triton takes seconds a step: one layer, one evaluation batch)
 TOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
 
@@ -42,7 +43,7 @@ def plan(cpu):
 def launch(name, extra, args, data_dir):
     """Start one train.py run into <out>/<name>; (process, start time). Its output goes to <name>.log."""
     cmd = [sys.executable, str(ROOT / "train.py"), f"--out_dir={Path(args.out) / name}", f"--data_dir={data_dir}",
-           "--eval_iters=2", "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
+           "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
            f"--device={'cpu' if args.cpu else 'cuda'}", *(CPU if args.cpu else GPU), *extra]
     with open(Path(args.out) / f"{name}.log", "a") as log:   # (the child keeps its own copy of the handle)
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), time.time()
