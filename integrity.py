@@ -11,13 +11,18 @@ Data, never code. Python's pickle runs whatever a crafted file asks for, and two
 project's path use it:
 
 - torch.distributed.checkpoint reads a checkpoint's `.metadata` with plain pickle. `Reader` is
-  DCP's FileSystemReader with that one read done by `MetadataUnpickler`, which builds nothing but
-  the classes DCP's metadata is made of (ALLOWED) and refuses every other name with one line.
+  DCP's FileSystemReader with that one read done by `MetadataUnpickler`: pickle's pure-Python
+  reader, whose names give only checking functions or empty DCP dataclasses (never the class or
+  function named: pickle's BUILD sets attributes on whatever object it is handed), whose BUILD sets
+  only such an instance's own fields; every other name and opcode is refused with one line. Then
+  `check_metadata` requires every item to read a stretch of a file of its own folder that
+  meta.json lists and checksums, so a crafted folder cannot point a read at another run's files.
 - DCP's default planner turns an item stored as bytes back into whatever object its pickle names.
   This project's training state is tensors only, so `Planner` refuses any bytes item outright.
 
 The tensors themselves DCP reads with torch.load(weights_only=True); model folders are read from
-safetensors files or, for a pytorch_model.bin, with weights_only=True (interchange.py). So a
+safetensors files, their header checked first, or, for a pytorch_model.bin, with weights_only=True
+(weights.py). So a
 checkpoint folder may hold `.metadata`, `*.distcp` shards and `meta.json`; an import folder
 `config.json` and `model.safetensors` (or `pytorch_model.bin`); nothing in them is ever executed.
 """
