@@ -187,7 +187,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
 @pytest.mark.slow
 def test_killed_preparation_is_redone_and_never_read(tmp_path):
     big = tmp_path / "big.jsonl"
-    write_jsonl(big, documents(400) * 60)                # about 40 MB: several seconds
+    write_jsonl(big, documents(400) * 25)                # about 17 MB: a few seconds
     code = "import sys, prepare; prepare.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=1)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(big), str(tmp_path / "d")], cwd=ROOT)
     out = prepare.prepared_dir(str(big), "bytes", tmp_path / "d")

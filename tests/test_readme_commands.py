@@ -5,7 +5,7 @@ block; so a documented command can never fail unnoticed again.
 Shrunk where it must be, and only so: every train.py run gets a tiny shape (the options after the
 command's own, which they override) and its iteration numbers divided by 500 (2000 -> 4, 3000 -> 6,
 500 -> 1, and a checkpoint's iter_NNNNNNN alike); `path/to/...` placeholders become a corpus and a
-SentencePiece model made here; the bench gets one iteration at tp 1 and 2. Skipped: `make test`
+SentencePiece model made here; the bench gets one iteration at tp=2. Skipped: `make test`
 (this suite) and pip installs; the GPU check must say in one line that there is no CUDA device.
 """
 import os
@@ -60,7 +60,7 @@ def shrink(argv, made):
     if script.endswith("train.py") and "-h" not in args:
         args += TINY_SHAPE + ([] if any(a.startswith("--max_iters") for a in argv) else ["--max_iters=4"])
     if script.endswith("bench.py"):
-        args += ["--iters=1", "--tp=1,2", f"--json_dir={made['tmp']}/bench", "--n_embd=64", "--n_layer=2",
+        args += ["--iters=1", "--tp=2", f"--json_dir={made['tmp']}/bench", "--n_embd=64", "--n_layer=2",
                  "--block_size=32", "--batch_size=2"]
     if script.endswith("gpu_check.py"):
         return start + args, 2   # (no CUDA device here: one line)
@@ -110,3 +110,5 @@ def test_every_readme_command_runs_as_shown(tmp_path, placeholders, monkeypatch)
             assert res.stderr.startswith("error: no CUDA device") and res.stderr.count("\n") == 1, res.stderr
         ran += 1
     assert ran >= 18 and (work / "hf_model" / "config.json").exists() and (work / "runs.png").exists()
+    bench = (tmp_path / "bench" / "bench-layouts.json").read_text()   # (test_tools.py runs the others)
+    assert all(name in bench for name in ("cola/btp recompute=lowrank", "cola/vanilla", "full/megatron"))

@@ -36,13 +36,12 @@ def test_cost_model_matches_model_and_ledger():
 @pytest.mark.slow
 def test_bench_runs_end_to_end(tmp_path):
     tiny = ["--n_embd=32", "--n_layer=2", "--n_head=4", "--block_size=16", "--batch_size=2", "--iters=1"]
-    for what in (["layouts", "--tp=2", *tiny], ["traffic", "--n_embd=32", "--n_head=4"], ["model"]):
+    for what in (["traffic", "--n_embd=32", "--n_head=4"], ["model"]):   # (layouts: test_readme_commands)
         res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), *what, f"--json_dir={tmp_path / 'j'}"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, res.stderr[-2000:]
         assert json.loads((tmp_path / "j" / f"bench-{what[0]}.json").read_text())
-    assert "cola/btp recompute=lowrank" in (tmp_path / "j" / "bench-layouts.json").read_text()
     import bench_comm
     import options
     cfg, _ = options.parse_args(tiny[:-2])
