@@ -10,12 +10,14 @@ A checkpoint is a folder <out_dir>/checkpoints/iter_NNNNNNN/ holding the DCP fil
 the iteration, the model config, the tokenizer, the run's id, and every file's size and CRC-32
 (the ranks checksum the files between them). It is written as iter_N.tmp and renamed when complete,
 so a reader sees the old set of checkpoints or the new one. On resume the newest checkpoint whose
-files all match their sizes and checksums, and whose meta.json is as written (integrity.py), is used;
-each one that fails is skipped with a line naming the file, and removed at the next save. Pruning
+files all match their sizes and checksums, whose meta.json is as written (integrity.py) and which
+loads is used; each one that fails is skipped with a line naming the file, and removed at the next
+save. Pruning
 removes only older checkpoints of the same run (its id is kept across resumes), never another run's
 and never a newer one. The data position is the iteration: batches are drawn from (seed, step).
-A resume continues the run with the model, data and schedule options it recorded, unless the launch
-gives them again. Exporting a checkpoint and importing one are interchange.py's commands.
+A resume continues the run with the model, data and schedule options the checkpoint it resumes
+recorded, unless the launch gives them again (an older checkpoint taken in place of a damaged one
+must give the same options). Exporting a checkpoint and importing one are interchange.py's commands.
 """
 import glob
 import json
