@@ -272,8 +272,8 @@ def finish(world):
 def exit_worker(world):
     """The end of a spawned worker (tests, tools/bench.py): wait for the group, then exit at once,
     with no teardown (os._exit frees it all): at interpreter teardown gloo's threads can abort the
-    process ('terminate called without an active exception'); a 4-rank worker once died of SIGSEGV
-    in a suite run here (where, unknown), and the group's destruction is one step that need not run."""
+    process ('terminate called without an active exception'); a 4-rank worker once died of
+    SIGSEGV in a suite run here (where, unknown): the group's destruction need not run at all."""
     if world > 1:
         dist.barrier()
     sys.stdout.flush()
