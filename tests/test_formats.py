@@ -16,6 +16,20 @@ import train_state
 from conftest import TINY, command, expect_error, metrics, torchrun
 
 
+def command_out(main, *argv):
+    """main(argv) in this process, as its process would run: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in argv])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
 def documents():
     from pydoc_data.topics import topics
     return [topics[k] for k in sorted(topics)]
@@ -197,17 +211,18 @@ def test_train_resume_export_import_with_a_tokenizer_file(tmp_path, tokenizers_d
     arch, fmt = ("full" if name.endswith(".json") else "svd"), "hf"   # (svd exports as a Llama, W = B·A)
     common = [f"--dataset={src}", f"--tokenizer={tok}", f"--data_dir={tmp_path / 'd'}", *TINY, "--max_iters=4",
               "--eval_interval=2", "--num_proc=1", f"--arch={arch}"]
-    torchrun(1, f"--out_dir={tmp_path / 'one'}", *common)
+    train = lambda *argv: command_out(__import__("train").main, *argv)   # (in this process: faster)
+    assert train(f"--out_dir={tmp_path / 'one'}", *common)[0] == 0
     torchrun(2, f"--out_dir={tmp_path / 'two'}", *common, "--tp=2")
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert [round(r["loss"], 4) for r in one if "loss" in r] == [round(r["loss"], 4) for r in two if "loss" in r]
-    torchrun(1, f"--out_dir={tmp_path / 'one'}", "--init_from=resume", "--max_iters=6")
+    assert train(f"--out_dir={tmp_path / 'one'}", "--init_from=resume", "--max_iters=6")[0] == 0
     assert [r["iter"] for r in metrics(tmp_path / "one") if "loss" in r] == [0, 1, 2, 3, 4, 5]
     other = tokenizers_dir / ("sp.model" if name.endswith(".json") else "tokenizer.json")
-    res = torchrun(1, f"--out_dir={tmp_path / 'one'}", "--init_from=resume", "--max_iters=8", f"--tokenizer={other}",
-                   check=False)
-    assert res.returncode == 2 and "pass the same tokenizer" in res.stderr, res.stderr[-500:]
-    assert "data:" not in res.stdout   # (refused before a corpus is prepared for it)
+    code, out, err = train(f"--out_dir={tmp_path / 'one'}", "--init_from=resume", "--max_iters=8",
+                           f"--tokenizer={other}")
+    assert code == 2 and "pass the same tokenizer" in err, err[-500:]
+    assert "data:" not in out   # (refused before a corpus is prepared for it)
     ckpt = train_state.checkpoint_dirs(tmp_path / "one")[-1]
     res = command(interchange.cli, "export", ckpt, tmp_path / "hf", f"--format={fmt}")
     assert res == (0, ""), res[1]
@@ -217,8 +232,8 @@ def test_train_resume_export_import_with_a_tokenizer_file(tmp_path, tokenizers_d
     assert command(interchange.cli, "import", tmp_path / "hf", tmp_path / "imported") == (0, "")
     kept = tmp_path / "imported" / "tokenizer"
     assert tokenizer.identity(str(kept)) == tokenizer.identity(tok)
-    torchrun(1, f"--out_dir={tmp_path / 'imported'}", "--init_from=resume", f"--dataset={src}",   # (the
-             f"--data_dir={tmp_path / 'd'}", *TINY, "--max_iters=2", "--num_proc=1")   # tokenizer: the record's)
+    assert train(f"--out_dir={tmp_path / 'imported'}", "--init_from=resume", f"--dataset={src}",   # (the
+                 f"--data_dir={tmp_path / 'd'}", *TINY, "--max_iters=2", "--num_proc=1")[0] == 0   # record's)
     assert data.get_tokenizer(str(kept)).n_vocab == 400
 
 
