@@ -12,9 +12,8 @@ the iteration, the model config, the tokenizer, the run's id, and every file's s
 so a reader sees the old set of checkpoints or the new one. On resume the newest checkpoint whose
 files all match their sizes and checksums, whose meta.json is as written (integrity.py) and which
 loads is used; each one that fails is skipped with a line naming the file, and removed at the next
-save. Pruning
-removes only older checkpoints of the same run (its id is kept across resumes), never another run's
-and never a newer one. The data position is the iteration: batches are drawn from (seed, step).
+save. Pruning removes only older checkpoints of the same run (its id is kept across resumes), never
+another run's and never a newer one. The data position is the iteration: batches are drawn from (seed, step).
 A resume continues the run with the model, data and schedule options the checkpoint it resumes
 recorded, unless the launch gives them again (an older checkpoint taken in place of a damaged one
 must give the same options). Exporting a checkpoint and importing one are interchange.py's commands.
@@ -213,7 +212,8 @@ def read_meta(path, config=(), tokenizer=None):
         meta = json.load(f)
     integrity.check_meta(path, meta)
     meta["config"] = llama.Config(**meta["config"]).shape()  # derived sizes filled in, as this run's are
-    if tokenizer == meta.get("tokenizer"):   # (the same file: gone or changed is said first)
+    same_file = tokenizer == meta.get("tokenizer")
+    if same_file:   # (gone or changed is said before the vocabulary's size)
         check_tokenizer(path, meta, tokenizer)
     for key, value in dict(config).items():
         if meta["config"].get(key) != value:
@@ -223,7 +223,8 @@ def read_meta(path, config=(), tokenizer=None):
                                  f"(vocabulary {value}): pass the same tokenizer")
             raise ValueError(f"checkpoint {path} was written with {key}={meta['config'].get(key)}, "
                              f"this run has {key}={value}: pass the same model options")
-    check_tokenizer(path, meta, tokenizer)
+    if not same_file:
+        check_tokenizer(path, meta, tokenizer)
     return meta
 
 
