@@ -190,17 +190,8 @@ def read(folder):
         cfg = llama.Config(**kw)
     except ValueError as e:
         raise ValueError(f"{folder}: config.json describes no model this project can build ({e})") from None
-    held, theirs = weights.shapes(folder), needed_shapes(cfg)   # (no model built, no tensor read)
-    for name, want in theirs.items():
-        if name not in held:
-            raise ValueError(f"{folder}: the weights have no {name}, which config.json's model needs")
-        if held[name] != want:
-            raise ValueError(f"{folder}: {name} is {held[name]}, config.json's model needs {want}")
-    extra = sorted(set(held) - set(theirs) - {"lm_head.weight"})
-    if extra:
-        raise ValueError(f"{folder}: {len(extra)} tensor(s) that config.json's model has no place for, "
-                         f"the first {extra[0]}")
-    return kw, from_format(weights.load(folder), cfg), c.get("boost_tokenizer")
+    tensors = weights.load(folder, needed_shapes(cfg), optional={"lm_head.weight"})   # (tied: none)
+    return kw, from_format(tensors, cfg), c.get("boost_tokenizer")
 
 
 def needed_shapes(cfg):

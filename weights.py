@@ -5,9 +5,10 @@ Not in the BOOST paper (arXiv 2512.12131); what makes importing a folder from el
 header ({name: {dtype, shape, data_offsets}}) and the tensors' bytes: `header` reads and checks the
 header alone (its length against the file's, every dtype known, every shape a list of integers,
 every tensor's bytes exactly its shape times its dtype's size, inside the file, none overlapping),
-so a folder's names and shapes can be checked against its config.json before a byte of tensor data
-is read. A `pytorch_model.bin` is read with torch.load(weights_only=True): a pickle that asks for
-anything but tensors is refused. A weights file that is a link is refused (it may point anywhere).
+so a folder's names and shapes are checked against its config.json's model (`fit`) before a
+byte of tensor data is read. A `pytorch_model.bin` is read with torch.load(weights_only=True): a
+pickle that asks for anything but tensors is refused. A weights file that is a link is refused (it
+may point anywhere).
 """
 import json
 import os
@@ -31,15 +32,15 @@ def safetensors():
     return safetensors.torch
 
 
-def _plain(path, what):
+def _plain(path):
     if os.path.islink(path) or not os.path.isfile(path):
-        raise ValueError(f"{what} is not a plain file (a model folder's weights are no link)")
+        raise ValueError(f"{path} is not a plain file (a model folder's weights are no link)")
 
 
 def header(path):
     """{name: shape} of a safetensors file, from its header alone; ValueError with one line where
     the header is damaged or does not describe the file's bytes."""
-    _plain(path, path)
+    _plain(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -85,21 +86,28 @@ def _entry(path, name, e):
     return tuple(e["shape"])
 
 
-def shapes(folder):
-    """{name: shape} of a folder's weights, read from the header where it is a safetensors file (the
-    tensors themselves are read by load() once the names and shapes are found right)."""
-    path = os.path.join(folder, WEIGHTS)
-    if os.path.lexists(path):
-        return header(path)
-    return {name: tuple(t.shape) for name, t in load(folder).items()}
+def fit(folder, held, needed, optional=()):
+    """ValueError unless the weights' {name: shape} `held` are exactly the `needed` ones that
+    config.json's model needs (and any of `optional`)."""
+    for name, want in needed.items():
+        if name not in held:
+            raise ValueError(f"{folder}: the weights have no {name}, which config.json's model "
+                             "needs")
+        if held[name] != want:
+            raise ValueError(f"{folder}: {name} is {held[name]}, config.json's model needs {want}")
+    extra = sorted(set(held) - set(needed) - set(optional))
+    if extra:
+        raise ValueError(f"{folder}: {len(extra)} tensor(s) that config.json's model has no place "
+                         f"for, the first {extra[0]}")
 
 
-def load(folder):
-    """{name: tensor} of a folder's model.safetensors (its header checked first), or of its
-    pytorch_model.bin read as tensors only (weights_only=True: anything else is refused)."""
+def load(folder, needed, optional=()):
+    """{name: tensor} of a folder's model.safetensors, or of its pytorch_model.bin read as tensors
+    only (weights_only=True: anything else is refused), whose names and shapes fit `needed` (fit():
+    for safetensors on its header alone, before a byte of tensor data is read)."""
     path = os.path.join(folder, WEIGHTS)
     if os.path.lexists(path):
-        header(path)
+        fit(folder, header(path), needed, optional)
         try:
             return safetensors().load_file(path)
         except (OSError, RuntimeError, ValueError) as e:   # safetensors' own errors are these
@@ -109,7 +117,7 @@ def load(folder):
     if not os.path.lexists(path):
         raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor "
                          "pytorch_model.bin")
-    _plain(path, path)
+    _plain(path)
     try:
         tensors = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError:
@@ -121,4 +129,5 @@ def load(folder):
     if not isinstance(tensors, dict) or \
             not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise ValueError(f"{folder}: pytorch_model.bin is not a dict of tensors")
+    fit(folder, {name: tuple(t.shape) for name, t in tensors.items()}, needed, optional)
     return tensors
