@@ -82,32 +82,30 @@ def build_model(cfg, tc, place, layout):
 ACTIVATION_BYTES = 34 * 4   # saved and transient bytes a token, a layer, a unit of width (measured)
 
 
-def footprint(cfg, tc, n_params, dp, world):
+def footprint(cfg, tc, n_params, place):
     """(estimated peak bytes of one rank: {"state", "activations", "logits"}, bytes one rank of this
     machine may use). State: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter,
     cut by tp and pp (and dp under --dp_shard); activations ≈ 34·d·4 bytes a token a layer, and the
     logits with their softmax and gradient, 3·V·4 bytes a token, of a micro-batch: both measured
     on this project's models (within 15% of the peak RSS of d=256..512, V=320..50304)."""
     tokens = tc.batch_size * cfg.block_size
-    shard = tc.tp * tc.pp * (dp if tc.dp_shard != "none" else 1)
+    shard = tc.tp * tc.pp * (place.dp if tc.dp_shard != "none" else 1)
     parts = {"state": 16 * n_params / shard,
              "activations": ACTIVATION_BYTES * cfg.n_embd * tokens * cfg.n_layer / (tc.tp * tc.pp),
              "logits": 3 * 4 * cfg.vocab_size * tokens / tc.tp}
-    device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        machine = torch.cuda.get_device_properties(local_rank).total_memory
+    if place.device.startswith("cuda"):
+        machine = torch.cuda.get_device_properties(place.device).total_memory
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", place.world))
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
     return parts, machine
 
 
-def sizing_line(cfg, tc, n_params, dp, world):
+def sizing_line(cfg, tc, n_params, place):
     """One line a run starts with: the share of the parameters in the embedding and head, and the
     estimated peak memory of a rank against what this machine has for it (a warning above 90%)."""
     emb = cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
-    parts, machine = footprint(cfg, tc, n_params, dp, world)
+    parts, machine = footprint(cfg, tc, n_params, place)
     need = sum(parts.values())
     line = (f"sizing: the embedding{'' if cfg.tie_embeddings else ' and head'} hold "
             f"{100 * emb / n_params:.0f}% of the parameters (vocabulary {cfg.vocab_size:,} × "

@@ -293,16 +293,17 @@ def test_the_start_says_where_the_parameters_and_memory_go(monkeypatch):
     cfg.vocab_size = 50304
     with torch.device("meta"):
         n_params = Llama(cfg).num_params()
-    line = placement.sizing_line(cfg, tc, n_params, 1, 1)
+    one = placement.Placement(1, 1, "cpu")   # (one process on a CPU)
+    line = placement.sizing_line(cfg, tc, n_params, one)
     assert line.startswith("sizing: the embedding and head hold 98% of the parameters (vocabulary 50,304 ")
-    parts, _ = placement.footprint(cfg, tc, n_params, 1, 1)
+    parts, _ = placement.footprint(cfg, tc, n_params, one)
     tokens = tc.batch_size * cfg.block_size
     assert parts == {"state": 16 * n_params, "logits": 12 * 50304 * tokens,
                      "activations": 136 * cfg.n_embd * tokens * cfg.n_layer}
     assert "MORE THAN IT HAS" not in line
     monkeypatch.setattr(os, "sysconf", lambda name: 1024 if name == "SC_PHYS_PAGES" else 4096)   # 4 MB
     assert "of the 0.0 GB this machine has for it; MORE THAN IT HAS: lower --batch_size" in \
-        placement.sizing_line(cfg, tc, n_params, 1, 1)
+        placement.sizing_line(cfg, tc, n_params, one)
 
 
 @pytest.mark.slow
