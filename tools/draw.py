@@ -20,24 +20,18 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import data  # noqa: E402  (after the path line)
+from plot import check_output, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"megatron": "Megatron TP\n(dense)", "vanilla": "vanilla\nlow-rank TP", "btp": "BTP",
            "vanilla lax": "vanilla\n+ LaX", "btp lax": "BTP\n+ LaX"}
 
 
-def pyplot():
-    from tokenizer import need
-    need("matplotlib", "tools/draw.py").use("Agg")   # files only, no display
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def draw_traffic(out):
     """Bars of the ledger's elements per token per layer, forward and backward, by layout."""
     import bench_traffic
     _, measured = bench_traffic.bench_traffic([], 2)
-    plt = pyplot()
+    plt = pyplot("tools/draw.py")
     fig, ax = plt.subplots(figsize=(8, 4.2))
     names = [n for n in LAYOUTS if n in measured]
     for k, phase in enumerate(("forward", "backward")):
@@ -95,7 +89,7 @@ def _gemms(names):
 
 def draw_layer(text, out):
     """Forward and backward of one BTP layer, top to bottom: ops grey, all-reduces red, labelled."""
-    plt = pyplot()
+    plt = pyplot("tools/draw.py")
     columns = [("forward, layer 0", layer_steps(text, "fwd · layer 0")),
                ("backward, layer 1", layer_steps(text, "bwd · layer 1"))]
     rows = max(len(steps) for _, steps in columns)
@@ -130,11 +124,7 @@ def main(argv):
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png",
                         help="a .png, .svg or .pdf (replaced)")
     args = parser.parse_args(argv)
-    if Path(args.output).suffix.lower() not in (".png", ".svg", ".pdf"):
-        parser.error(f"-o {args.output}: name a .png, .svg or .pdf file (only an image is ever "
-                     "replaced)")
-    if not Path(args.output).resolve().parent.is_dir():
-        parser.error(f"the folder of {args.output} does not exist")
+    check_output(parser, args.output)
     try:
         if args.what == "traffic":
             draw_traffic(args.output)

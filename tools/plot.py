@@ -66,15 +66,28 @@ def read_run(out_dir):
     return run
 
 
+def pyplot(tool="tools/plot.py"):
+    """matplotlib's pyplot drawing into files only (no display), or a one-line ValueError."""
+    from tokenizer import need
+    need("matplotlib", tool).use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def check_output(parser, output):
+    """-o must name an image (only an image is ever replaced) in a folder that exists."""
+    if Path(output).suffix.lower() not in IMAGES:
+        parser.error(f"-o {output}: name a {', '.join(IMAGES)} file (only an image is ever replaced)")
+    if not Path(output).resolve().parent.is_dir():
+        parser.error(f"the folder of {output} does not exist")
+
+
 def draw(runs, labels, out, title=None, diff=False):
     """The three panels of `runs` (read_run's) into the image file `out`: loss against iterations;
     against tokens, or with diff each run's |train loss - the first run's| on a log axis (equal
     curves show their differences); the median tokens/s of each run (its first tenth left out)."""
-    from tokenizer import need
     import statistics
-    matplotlib = need("matplotlib", "tools/plot.py")
-    matplotlib.use("Agg")   # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     first = {p[0]: p[2] for p in runs[0]["train"]}
     for k, (run, label) in enumerate(zip(runs, labels)):
@@ -124,10 +137,7 @@ def main(argv):
     labels = args.labels.split(",") if args.labels else [Path(d).resolve().name for d in args.out_dirs]
     if len(labels) != len(args.out_dirs):
         parser.error(f"--labels names {len(labels)} runs, {len(args.out_dirs)} OUT_DIRs given")
-    if Path(args.output).suffix.lower() not in IMAGES:
-        parser.error(f"-o {args.output}: name a {', '.join(IMAGES)} file (only an image is ever replaced)")
-    if not Path(args.output).resolve().parent.is_dir():
-        parser.error(f"the folder of {args.output} does not exist")
+    check_output(parser, args.output)
     try:
         runs = [read_run(d) for d in args.out_dirs]
         draw(runs, labels, args.output, args.title, args.diff)
