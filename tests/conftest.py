@@ -91,14 +91,20 @@ def _worker(rank, world, store, fn, *args):
 def command(cli, *args):
     """A command's cli(argv) (interchange.py's, prepare.py's main) in this process, as its subprocess
     would run: (exit status, what it wrote to stderr)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    code, _, err = command_out(cli, *args)
+    return code, err.strip()
+
+
+def command_out(cli, *args):
+    """command(), with what it wrote to stdout: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
             cli([str(a) for a in args])
             code = 0
         except SystemExit as e:
             code = e.code
-    return code, err.getvalue().strip()
+    return code, out.getvalue(), err.getvalue()
 
 
 def expect_error(capsys, argv, *fragments):

@@ -13,21 +13,7 @@ import interchange
 import prepare
 import tokenizer
 import train_state
-from conftest import TINY, command, expect_error, metrics, torchrun
-
-
-def command_out(main, *argv):
-    """main(argv) in this process, as its process would run: (exit status, stdout, stderr)."""
-    import contextlib
-    import io
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in argv])
-            code = 0
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
+from conftest import TINY, command, command_out, expect_error, metrics, torchrun
 
 
 def documents():
