@@ -182,18 +182,20 @@ def resume_plan(argv, tc, log):
     if not found:
         return None
     resume = train_state.intact(found, log)
-    resume.cfg, resume.tc, changed = resume_args(argv, resume.record)
+    resume.cfg, resume.tc, changed = resume_args(argv, train_state.recorded(resume.meta))
     if changed:
         log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
-
-    def same(meta):   # an older checkpoint, resumed in its place, must give this launch its options
-        cfg, tc = resume_args(argv, train_state.recorded(meta))[:2]
-        theirs, ours = {**cfg.shape(), **asdict(tc)}, {**resume.cfg.shape(), **asdict(resume.tc)}
-        differ = sorted(k for k in ours if theirs.get(k) != ours[k])
-        return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" \
-            if differ else None
-    resume.same = same
     return resume
+
+
+def other_options(argv, resume, meta):
+    """What the options a launch takes from an older checkpoint's record `meta`, resumed in place
+    of resume.found[0], would change (None: nothing; the older one must give the same options)."""
+    cfg, tc = resume_args(argv, train_state.recorded(meta))[:2]
+    theirs, ours = {**cfg.shape(), **asdict(tc)}, {**resume.cfg.shape(), **asdict(resume.tc)}
+    differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+    return f"it recorded other options than {resume.found[0]} ({', '.join(differ)})" \
+        if differ else None
 
 
 def _parse(argv, recorded):

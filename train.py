@@ -139,8 +139,9 @@ def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
         if resume:   # the newest checkpoint that verifies and loads (each other one: a line)
             mesh = place.ckpt_mesh
             load = lambda path, meta: train_state.load(path, meta, raw_model, optimizer, mesh)
+            same = lambda meta: options.other_options(argv, resume, meta)
             resume_from, meta, skipped = train_state.choose(resume, cfg.shape(), tc.tokenizer, load,
-                                                            resume.same, log)
+                                                            same, log)
             iter_num, run_id = meta["iter_num"], meta.get("run_id", run_id)
             if iter_num >= tc.max_iters:   # (here: a damaged newest checkpoint may leave steps)
                 raise ValueError(f"max_iters={tc.max_iters} is not past iteration {iter_num} of "

@@ -13,7 +13,8 @@ so a reader sees the old set of checkpoints or the new one. On resume the newest
 files all match their sizes and checksums, whose meta.json is as written (integrity.py) and which
 loads is used; each one that fails is skipped with a line naming the file, and removed at the next
 save. Pruning removes only older checkpoints of the same run (its id is kept across resumes), never
-another run's and never a newer one. The data position is the iteration: batches are drawn from (seed, step).
+another run's and never a newer one. The data position is the iteration: batches are drawn from
+(seed, step).
 A resume continues the run with the model, data and schedule options the checkpoint it resumes
 recorded, unless the launch gives them again (an older checkpoint taken in place of a damaged one
 must give the same options). Exporting a checkpoint and importing one are interchange.py's commands.
@@ -169,13 +170,13 @@ def candidates(out_dir, init_from):
 
 
 class Resume:
-    """What a launch resumes from: the checkpoints to try, newest first (`found`), the record of the
-    first (its model config and training options: the launch's options come from it and nothing
-    else), and those already skipped as damaged (removed at the next save)."""
+    """What a launch resumes from: the checkpoints to try, newest first (`found`), the meta.json of
+    the first (the launch's options come from its record and nothing else: .cfg and .tc, set by
+    options.resume_plan), and those already skipped as damaged (removed at the next save)."""
 
     def __init__(self, found, meta, skipped):
         self.found, self.meta, self.skipped = found, meta, skipped
-        self.record = recorded(meta)
+        self.cfg = self.tc = None
 
 
 def recorded(meta):
