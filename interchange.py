@@ -37,7 +37,8 @@ import integrity
 import model as llama
 import train_state
 import weights
-from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, keep as keep_tokenizer, write_for_hf
+from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, \
+    keep as keep_tokenizer, write_for_hf
 
 FORMATS = ("hf", "cola")
 PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n) for n in ("gate", "up", "down")]

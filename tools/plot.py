@@ -77,7 +77,8 @@ def pyplot(tool="tools/plot.py"):
 def check_output(parser, output):
     """-o must name an image (only an image is ever replaced) in a folder that exists."""
     if Path(output).suffix.lower() not in IMAGES:
-        parser.error(f"-o {output}: name a {', '.join(IMAGES)} file (only an image is ever replaced)")
+        parser.error(f"-o {output}: name a {', '.join(IMAGES)} file (only an image is ever "
+                     "replaced)")
     if not Path(output).resolve().parent.is_dir():
         parser.error(f"the folder of {output} does not exist")
 
