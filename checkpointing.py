@@ -44,58 +44,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import dp_shard
-import model as llama
-from lax import cross_group
 
 RECOMPUTE = ("none", "layer", "lowrank")
-
-
-class OneDeviceChunks:
-    """model.Block (arch svd or cola) seen as the same chunks; its latents are A·x, no collectives.
-    Each chunk that applies σ takes the previous layer's latents of its projections, p (LaX; None
-    without), and returns its own, h, beside its result."""
-
-    def __init__(self, block):
-        self.b, self.cfg = block, block.attn.cfg
-        self.act, self.lax = llama.latent_act(self.cfg.arch), self.cfg.lax
-
-    def reduce(self, partial):
-        return partial
-
-    def emit(self, z, p, projections):
-        """The latent h = σ(z), or σ(LayerNorm(z + G(p))) where the layer crosses (LaX): (h for the
-        Bs, h for the next layer under LaX, else None)."""
-        if projections[0].cross is not None:
-            z = cross_group([q.cross for q in projections], z, p)
-        h = self.act(z)
-        return h, (h if self.lax else None)
-
-    def qkv_down(self, x):
-        a, h = self.b.attn, self.b.attn_norm(x)                            # (b, s, d)
-        return torch.cat([a.q.A(h), a.k.A(h), a.v.A(h)], -1)               # (b, s, 3r)
-
-    def attn_chunk(self, z, cos, sin, p=None):
-        a, cfg = self.b.attn, self.cfg
-        h, out = self.emit(z, p, [a.q, a.k, a.v])                          # (b, s, 3r)
-        hq, hk, hv = h.split(cfg.attn_rank, -1)
-        y = llama.causal_attention(a.q.B(hq), a.k.B(hk), a.v.B(hv), cfg.n_head, cfg.n_kv_head, cos, sin)
-        return a.o.A(y), out                                               # (b, s, r), (b, s, 3r)
-
-    def o_chunk(self, u, x, p=None):
-        h, out = self.emit(u, p, [self.b.attn.o])                          # (b, s, r)
-        x = x + self.b.attn.o.B(h)                                         # (b, s, d)
-        m, n = self.b.mlp, self.b.mlp_norm(x)
-        return x, torch.cat([m.gate.A(n), m.up.A(n)], -1), out             # (b, s, 2r)
-
-    def mlp_chunk(self, z, p=None):
-        m = self.b.mlp
-        h, out = self.emit(z, p, [m.gate, m.up])                           # (b, s, 2r)
-        hg, hu = h.split(self.cfg.mlp_rank, -1)
-        return m.down.A(llama.gated_product(self.cfg.mlp_gate, m.gate.B(hg), m.up.B(hu))), out  # (b, s, r)
-
-    def down_chunk(self, u, x, p=None):
-        h, out = self.emit(u, p, [self.b.mlp.down])                        # (b, s, r)
-        return x + self.b.mlp.down.B(h), out                               # (b, s, d)
 
 
 def _segment(fn, *args):
@@ -109,7 +59,7 @@ def _whole_layer(layer):
 
 def _lowrank_layer(layer, x, cos, sin, p):
     """One layer's segments; p: the previous layer's latents of q|k|v, o, gate|up, down (LaX)."""
-    b = OneDeviceChunks(layer) if isinstance(layer, llama.Block) else layer
+    b = layer   # a layouts.py layer (at tp=1 a group of one): its five chunks
     partial = _segment(b.qkv_down, x)
     partial, h_qkv = _segment(b.attn_chunk, b.reduce(partial), cos, sin, p[0])
     x, partial, h_o = _segment(b.o_chunk, b.reduce(partial), x, p[1])

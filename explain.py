@@ -277,7 +277,7 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
         c = Config(**{**cfg.shape(), "arch": arch, "n_layer": n_layer, "lax": cfg.lax and arch != "full",
                       "mlp_gate": cfg.mlp_gate if arch == cfg.arch else "auto"})
         torch.manual_seed(0)
-        model = layouts.TPLlama(Llama(c, recompute=recompute, layer_runner=checkpointing.run_layers), tp, layout)
+        model = layouts.TPLlama(Llama(c), tp, layout, recompute=recompute)
         model.to(device)   # on the run's device: NCCL takes no CPU tensors
         x = torch.randint(0, c.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
         _, counts, saved, flops = record(model, x, x, Names(c, tp.size, b, s), layout)
@@ -303,10 +303,11 @@ def comparison(cfg, tc, tp, layout, b, s, device):
     return lines
 
 
-def main(cfg, tc, place, layout, model):
+def main(plan, place, model):
     """--explain=true: one recorded step of the model train.py built for this rank (placement.Placement
     says where it sits), printed by rank 0; nothing else runs and no file is written."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+    cfg, tc, layout = plan.cfg, plan.tc, plan.layout
     world, dp, mesh, tp, device = place.world, place.dp, place.mesh, place.tp, place.device
     coords = {name: mesh.get_local_rank(name) for name in ("dp", "pp", "tp")} if mesh is not None else {}
     rank = dist.get_rank() if world > 1 else 0

@@ -297,13 +297,14 @@ class TPLlama(Sharded):
     held here ((b, s, d/t) under btp), and the last stage returns the logits for the schedule's loss
     (parallel.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
     whole and uses its slices (`embedding`, `head`); parallel.reduce_tied_grad sums their gradients.
+    `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
     `block` replaces the layout's layer class (tools/ablations.py)."""
 
-    def __init__(self, model, tp, layout, stage=0, stages=1, block=None):
+    def __init__(self, model, tp, layout, stage=0, stages=1, recompute="none", block=None):
         check_divisible(model.cfg, tp.size, layout)
         full = {k: v.detach() for k, v in model.state_dict().items()}
         super().__init__(tp, full)
-        self.cfg, self.layout, self.recompute = model.cfg, layout, model.recompute
+        self.cfg, self.layout, self.recompute = model.cfg, layout, recompute
         self.first, self.last, self.pipelined = stage == 0, stage == stages - 1, stages > 1
         per_stage = model.cfg.n_layer // stages
         self.tied = model.cfg.tie_embeddings

@@ -241,23 +241,15 @@ class Block(nn.Module):
         m, lat_mlp = self.mlp(self.mlp_norm(x), prev[4:])
         return x + m, (lat_attn + lat_mlp if self.lax else None)   # (b, s, d)
 
-    def call(self, fn, *args):
-        """fn(self, *args) as a call of this layer: a wrapper that hooks the layer's forward (FSDP2,
-        dp_shard.py) is told of it too, for checkpointing's low-rank segments, which run the layer
-        in pieces and not through forward."""
-        return fn(self, *args)
-
 
 class Llama(nn.Module):
     """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding or not).
+    The reference every layout is cut from and tested against; a run trains a layout of it
+    (layouts.TPLlama, at tp=1 a group of one), which also runs its activation checkpointing."""
 
-    `layer_runner(layers, x, cos, sin, recompute)` runs the layers when recompute is not "none"
-    (checkpointing.run_layers: the model is handed it, so this file imports nothing of the project)."""
-
-    def __init__(self, cfg, recompute="none", layer_runner=None):
+    def __init__(self, cfg):
         super().__init__()
-        self.cfg, self.recompute = cfg, recompute  # activation checkpointing: none | layer | lowrank
-        self.layer_runner = layer_runner
+        self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -273,15 +265,11 @@ class Llama(nn.Module):
     def forward(self, idx, targets=None):
         """idx (b, s) token ids -> (logits, loss); without targets only the last position's logits."""
         if idx.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence of {idx.shape[1]} is longer than block_size={self.cfg.block_size}")
+            raise ValueError(f"sequence of {idx.shape[1]} is longer than "
+                             f"block_size={self.cfg.block_size}")
         x, lat = self.tok_emb(idx), None                 # (b, s, d); LaX: the latents between layers
-        if self.recompute == "none":
-            for layer in self.layers:
-                x, lat = layer(x, self.rope_cos, self.rope_sin, lat)   # (b, s, d)
-        else:
-            if self.layer_runner is None:
-                raise ValueError(f"recompute={self.recompute} needs a layer_runner (checkpointing.run_layers)")
-            x, _ = self.layer_runner(self.layers, x, self.rope_cos, self.rope_sin, self.recompute)
+        for layer in self.layers:
+            x, lat = layer(x, self.rope_cos, self.rope_sin, lat)   # (b, s, d)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None     # (b, 1, V)

@@ -291,24 +291,49 @@ def vocab_size(tokenizer):
     return 64 * math.ceil(data.get_tokenizer(tokenizer).n_vocab / 64)
 
 
-def plan_parallel(cfg, tc, world):
-    """(dp, layout) for this world size; ValueError when the layout cannot split the model."""
+@dataclass
+class Plan:
+    """A run as resolved once, before any work, from its options and its world size: every later
+    step (placement.py, train.py, explain.py) reads these and resolves nothing again."""
+    cfg: Config
+    tc: TrainConfig
+    world: int      # processes (torchrun's WORLD_SIZE)
+    dp: int         # data-parallel degree: world / (tp · pp) unless --dp gives it
+    layout: str     # btp | vanilla | megatron (auto: btp for low-rank, megatron for dense)
+    device: str     # cpu | cuda | cuda:N (auto resolved; under torchrun each rank its own GPU)
+    dtype: str      # float32 | bfloat16 (auto: bfloat16 on a GPU that has it)
+
+
+def plan(cfg, tc, world):
+    """The run's Plan; ValueError where the layout cannot split the model, the world does not
+    factor into dp × pp × tp, or the recompute mode does not apply."""
     dp = tc.dp or max(1, world // (tc.tp * tc.pp))
     if dp * tc.pp * tc.tp != world:
         raise ValueError(f"world size {world} is not dp × pp × tp = {dp} × {tc.pp} × {tc.tp}: "
                          "set --dp, --pp and --tp, or torchrun --nproc_per_node")
     if tc.gradient_accumulation_steps % dp:
-        raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not divisible by "
-                         f"the {dp} data-parallel ranks")
+        raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not "
+                         f"divisible by the {dp} data-parallel ranks")
     layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
-    if tc.tp > 1 or tc.pp > 1:
-        layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
+    layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
     if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
-        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: raise "
-                         f"gradient_accumulation_steps to {tc.pp * dp} or use --pp_schedule=gpipe")
+        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: "
+                         f"raise gradient_accumulation_steps to {tc.pp * dp} or use "
+                         "--pp_schedule=gpipe")
     if tc.dp_shard != "none":
         check_dp_shard(tc, dp)
-    return dp, layout
+    checkpointing.check_recompute(cfg, tc.recompute)
+    device = tc.device if tc.device != "auto" else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
+
+
+def compute_dtype(tc, device):
+    """--dtype as the run computes in: auto is bfloat16 on a GPU that has it, else float32."""
+    if tc.dtype != "auto":
+        return tc.dtype
+    cuda = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+    return "bfloat16" if cuda else "float32"
 
 
 def check_dp_shard(tc, dp):

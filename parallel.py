@@ -313,19 +313,17 @@ def ledger_ddp_hook(group, bucket):
 
 def clip_grad_norm(model, max_norm, pp_group=None):
     """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards and pipeline stages."""
-    tp_model = getattr(model, "module", model)
-    if hasattr(tp_model, "grad_norm_sq"):  # a layouts.TPLlama
-        norm_sq = tp_model.grad_norm_sq()
-        if pp_group is not None:
-            dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
-        norm = norm_sq.sqrt().float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in tp_model.parameters():
-            if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
-                g = dp_shard.local(p.grad)
-                g.mul_(coef.to(g.dtype))
-        return norm
-    return dp_shard.whole(torch.nn.utils.clip_grad_norm_(tp_model.parameters(), max_norm))   # (a DTensor under --dp_shard)
+    tp_model = getattr(model, "module", model)   # (a layouts.TPLlama, under DDP or not)
+    norm_sq = tp_model.grad_norm_sq()
+    if pp_group is not None:
+        dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
+    norm = norm_sq.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in tp_model.parameters():
+        if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
+            g = dp_shard.local(p.grad)
+            g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def all_reduce_grads(model, dp_group):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpointing
 import dp_shard
 import kernels
 import layouts
@@ -39,9 +39,12 @@ class Placement:
         return self.mesh["dp", "tp"] if self.mesh is not None else None
 
 
-def place_processes(tc, world, dp, device):
+def place_processes(plan):
     """The process group and the (dp, pp, tp) mesh under torchrun (NCCL on GPUs, gloo elsewhere)."""
+    tc, world, dp, device = plan.tc, plan.world, plan.dp, plan.device
     if world == 1:
+        if device.startswith("cuda"):   # (cuda:N: Triton launches on the current device)
+            torch.cuda.set_device(device)
         return Placement(world, dp, device)
     if device == "cuda":
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -53,30 +56,46 @@ def place_processes(tc, world, dp, device):
     return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), host)
 
 
-def compute_dtype(tc, device):
-    """--dtype as the run computes in: auto is bfloat16 on a GPU that has it, else float32."""
-    if tc.dtype != "auto":
-        return tc.dtype
-    return "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-
-
-def build_model(cfg, tc, place, layout):
-    """The model this rank trains, and the full model's parameter and FLOP counts. Every layout is
-    cut from the single-device model built from one seed, so every layout starts from the same
-    weights: under TP or PP this rank's part of it (layouts.TPLlama); on one device with the Triton
-    kernels on, the BTP layer with a TP group of one (so one GPU runs the fused kernels too);
-    otherwise model.Llama itself, the reference the tests compare every layout with."""
+def build_model(plan, place):
+    """The model this rank trains, and the full model's parameter and FLOP counts, in the order
+    torchtitan's parallelize step takes: the single-device reference built from one seed (so every
+    layout starts from the same weights) -> its counts -> this rank's layout of it (layouts.TPLlama:
+    its TP shard and pipeline stage, at tp=1 a TP group of one, btp for low-rank and megatron for
+    dense) -> the device -> FSDP2 over dp (--dp_shard). DDP, the pipeline schedule and compile
+    wrap it next (`wrap`)."""
+    cfg, tc = plan.cfg, plan.tc
     torch.manual_seed(tc.seed)
-    model = Llama(cfg, recompute=tc.recompute, layer_runner=checkpointing.run_layers)
-    counts = model.num_params(), model.flops_per_token(cfg.block_size)
-    if tc.tp > 1 or tc.pp > 1:
-        model = layouts.TPLlama(model, place.tp, layout, stage=place.pp_rank, stages=tc.pp)
-    elif cfg.lowrank and kernels.backend() != "torch":
-        model = layouts.TPLlama(model, place.tp, "btp")
+    ref = Llama(cfg)
+    counts = ref.num_params(), ref.flops_per_token(cfg.block_size)
+    model = layouts.TPLlama(ref, place.tp, plan.layout, stage=place.pp_rank, stages=tc.pp,
+                            recompute=tc.recompute)
+    del ref   # (the reference's weights are not kept)
     model = model.to(place.device)
     if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
-        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, compute_dtype(tc, place.device), parallel.LEDGER)
+        dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, plan.dtype, parallel.LEDGER)
     return model, *counts
+
+
+def wrap(raw_model, tc, place, n_micro, warm=None):
+    """(the model as trained, the pipeline or None): under pp > 1 the pipeline schedule over the
+    stage (parallel.Pipeline); else DDP over dp where --dp_shard does not shard (its gradient
+    all-reduce recorded in the ledger), then torch.compile around it (so that DDPOptimizer splits
+    the graph at its buckets). `warm()` runs first under compile: one eager step, so that
+    --kernels=auto times every shape before tracing, which only reads the choices."""
+    if tc.pp > 1:
+        return raw_model, parallel.Pipeline(raw_model, place.mesh, n_micro, tc.pp_schedule,
+                                            place.device)
+    model = raw_model
+    if place.dp > 1 and tc.dp_shard == "none":
+        cuda = place.device.startswith("cuda")
+        model = DDP(model, process_group=place.group("dp"),
+                    device_ids=[place.device] if cuda else None)
+        model.register_comm_hook(place.group("dp"), parallel.ledger_ddp_hook)
+    if tc.compile:
+        if warm is not None and kernels.backend() == "auto":
+            warm()
+        model = torch.compile(model)
+    return model, None
 
 
 ACTIVATION_BYTES = 34 * 4   # saved and transient bytes a token, a layer, a unit of width (measured)

@@ -14,7 +14,6 @@ import torch.nn as nn
 
 import dp_shard
 import lax
-from model import Block
 
 
 @dataclass
@@ -53,7 +52,11 @@ class Sharded(nn.Module):
             self.shard(name, names, None)
         self.crosses, self.lax = bool(pieces), cfg.lax
 
-    call = Block.call   # fn(self, *args) as a call of this layer, which FSDP2 sees as a forward
+    def call(self, fn, *args):
+        """fn(self, *args) as a call of this layer: a wrapper that hooks the layer's forward (FSDP2,
+        dp_shard.py) is told of it too, for checkpointing's low-rank segments, which run the layer
+        in pieces and not through forward."""
+        return fn(self, *args)
 
     def named_specs(self):
         """(local parameter name, Spec) for every parameter."""

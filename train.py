@@ -21,9 +21,7 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpointing
 import data
 import dp_shard
 import kernels
@@ -64,16 +62,13 @@ def main(argv):
         if tc.tensorboard:
             need("tensorboard", "--tensorboard=true")   # (one line now, not a traceback after the model is built)
             rundir.check_tensorboard(tc.out_dir)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        dp, layout = options.plan_parallel(cfg, tc, world)
-        checkpointing.check_recompute(cfg, tc.recompute)
-        device = tc.device if tc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        kernels.select(tc.kernels, device)
+        plan = options.plan(cfg, tc, int(os.environ.get("WORLD_SIZE", "1")))
+        kernels.select(tc.kernels, plan.device)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
             import explain
-            place = placement.place_processes(tc, world, dp, device)
-            explain.main(cfg, tc, place, layout, placement.build_model(cfg, tc, place, layout)[0])
-            parallel.finish(world)
+            place = placement.place_processes(plan)
+            explain.main(plan, place, placement.build_model(plan, place)[0])
+            parallel.finish(plan.world)
             return
         rundir.check_place(tc.out_dir)
         if master:
@@ -87,7 +82,7 @@ def main(argv):
         fail(e)
     interrupt = rundir.Interrupt(print if master else (lambda *a: None))
     try:
-        signum = train(cfg, tc, argv, world, dp, layout, device, resume, interrupt)
+        signum = train(plan, argv, resume, interrupt)
     finally:
         interrupt.restore()
         rundir.unlock(held)
@@ -124,16 +119,18 @@ def fault_at(tc, kind, iter_num):
 
 # ------------------------------------------------------------------------------ the run
 
-def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
-    """The run; returns the signal number that interrupted it, or 0. Rank 0 speaks for the job."""
+def train(plan, argv, resume, interrupt):
+    """The run of `plan` (options.Plan); returns the signal number that interrupted it, or 0.
+    Rank 0 speaks for the job."""
+    cfg, tc = plan.cfg, plan.tc
     master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
     try:  # rank 0 prepares the corpus before the process group starts, so an hour of it meets no timeout
         folder = prepare.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, tc.num_proc, tc.val_fraction,
                                       tc.text_field, log)
         splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size) for s in ("train", "val")}
-        place = placement.place_processes(tc, world, dp, device)
-        raw_model, n_params, flops_per_token = placement.build_model(cfg, tc, place, layout)
+        place = placement.place_processes(plan)
+        raw_model, n_params, flops_per_token = placement.build_model(plan, place)
         optimizer = configure_optimizer(raw_model, tc)
         iter_num, run_id, resume_from, skipped = 0, rundir.new_run_id(), None, []
         if resume:   # the newest checkpoint that verifies and loads (each other one: a line)
@@ -149,10 +146,10 @@ def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
             log(f"resuming from {resume_from} (iteration {iter_num})")
     except ValueError as e:
         fail(e)
-    run = Run(cfg, tc, place, splits, raw_model, optimizer, log, run_id, resume_from)
+    run = Run(plan, place, splits, raw_model, optimizer, log, run_id, resume_from)
     run.damaged = skipped   # removed at the first save: they hold nothing to resume from
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
-        f"dp={dp} pp={tc.pp} tp={tc.tp}" + (f" ({layout})" if tc.tp > 1 else "") +
+        f"dp={plan.dp} pp={tc.pp} tp={tc.tp}" + (f" ({plan.layout})" if tc.tp > 1 else "") +
         (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}")
     log(placement.sizing_line(cfg, tc, n_params, place))
@@ -161,36 +158,30 @@ def train(cfg, tc, argv, world, dp, layout, device, resume, interrupt):
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
         sample(run)
-    parallel.finish(world)
+    parallel.finish(plan.world)
     return signum
 
 
 class Run:
     """What a run's steps share: options, place, data, the model as trained (compiled, DDP, pipeline) and held."""
 
-    def __init__(self, cfg, tc, place, splits, raw_model, optimizer, log, run_id, resume_from):
+    def __init__(self, plan, place, splits, raw_model, optimizer, log, run_id, resume_from):
+        cfg, tc = plan.cfg, plan.tc
         self.cfg, self.tc, self.place, self.splits, self.log = cfg, tc, place, splits, log
-        self.raw_model, self.model, self.optimizer, self.pipe = raw_model, raw_model, optimizer, None
+        self.raw_model, self.optimizer = raw_model, optimizer
         self.run_id, self.resume_from, self.last_ckpt = run_id, resume_from, resume_from
         self.micro_steps = tc.gradient_accumulation_steps // place.dp
         self.global_batch = tc.batch_size * tc.gradient_accumulation_steps
         self.tokens_per_iter = self.global_batch * cfg.block_size
-        self.dtype = placement.compute_dtype(tc, place.device)
+        self.dtype = plan.dtype
         self.autocast = nullcontext() if self.dtype == "float32" else \
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
         self.nonfinite = torch.tensor(-1, device=place.device)  # the first iteration whose gradient was not finite
         self.tokenizer_id = tokenizer_identity(tc.tokenizer)     # (once: what the run's data was prepared with)
-        if tc.pp > 1:
-            self.pipe = parallel.Pipeline(raw_model, place.mesh, self.micro_steps, tc.pp_schedule, place.device)
-        elif place.dp > 1 and tc.dp_shard == "none":   # (dp_shard: FSDP2 shards the model: dp_shard.py)
-            cuda = place.device.startswith("cuda")
-            self.model = DDP(self.model, process_group=place.group("dp"), device_ids=[place.device] if cuda else None)
-            self.model.register_comm_hook(place.group("dp"), parallel.ledger_ddp_hook)
-        if tc.compile and not self.pipe:  # around DDP, so that DDPOptimizer splits the graph at its buckets
+        if tc.compile and not tc.pp > 1:
             log("torch.compile: the first steps compile the model, which takes minutes on a CPU")
-            if kernels.backend() == "auto":
-                self.time_kernels()
-            self.model = torch.compile(self.model)
+        self.model, self.pipe = placement.wrap(raw_model, tc, place, self.micro_steps,
+                                               warm=self.time_kernels)
         self.pp_group = place.group("pp") if self.pipe else None
 
     def time_kernels(self):
@@ -201,7 +192,7 @@ class Run:
             with self.autocast:
                 loss = self.raw_model(x, y)[1]
             loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.raw_model.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def shares(self, split, stream, step):

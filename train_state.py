@@ -38,9 +38,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _pieces(raw_model):
     """(local parameter, full name, rows in the local tensor, shard dim or None) for every piece."""
-    params = dict(raw_model.named_parameters())
-    if not hasattr(raw_model, "named_specs"):
-        return [(p, n, slice(None), None) for n, p in params.items()]
+    params = dict(raw_model.named_parameters())   # (a layouts.TPLlama: every run trains one)
     out = []
     for name, spec in raw_model.named_specs():
         start = 0

@@ -120,6 +120,14 @@ def expect_error(capsys, argv, *fragments):
 TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vanilla"), ("cola", "vanilla")]
 
 
+def group_of_one(ref, recompute="none", layout=None):
+    """The model train.py trains at tp=1: ref's layout with a TP group of one (btp for low-rank,
+    megatron for dense), with activation checkpointing `recompute`."""
+    import layouts
+    layout = layout or ("btp" if ref.cfg.lowrank else "megatron")
+    return layouts.TPLlama(ref, parallel.TP(None, 0, 1), layout, recompute=recompute)
+
+
 def small_cfg(arch, n_layer=2, **extra):
     return Config(arch=arch, n_layer=n_layer, n_head=8, n_kv_head=4, n_embd=64, block_size=16,
                   vocab_size=128, attn_rank=16, mlp_rank=24, **extra)

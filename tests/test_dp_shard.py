@@ -3,14 +3,12 @@ every gradient gathered to full shape for btp, vanilla and megatron at dp2 and d
 recompute mode it takes, and at dp2 x pp2; the ledger's count of FSDP's collectives; train.py's
 runs equal to one process; checkpoints resumed across dp_shard settings and layouts; what it refuses.
 """
-import copy
 import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import checkpointing
 from checkpointing import RECOMPUTE
 import dp_shard
 import layouts
@@ -18,7 +16,7 @@ import parallel
 from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama
 
-CASES = [("cola", "btp"), ("cola", "vanilla"), ("full", "megatron"), ("cola", None)]   # None: model.Llama itself
+CASES = [("cola", "btp"), ("cola", "vanilla"), ("full", "megatron")]   # (at tp=1: a TP group of one)
 
 
 def expected_fsdp_traffic(model, mode):
@@ -46,16 +44,15 @@ def _equivalence_worker(rank, world, tp_size):
     tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp_size)
     dp_rank = mesh.get_local_rank("dp")
     for (arch, layout), recompute, mode in [(c, r, m) for c in CASES for r in RECOMPUTE for m in ("grad", "full")]:
-        if (layout is None and tp_size > 1) or (recompute == "lowrank" and arch == "full"):
+        if recompute == "lowrank" and arch == "full":
             continue
         where = f"{arch}/{layout} recompute={recompute} dp_shard={mode} dp={dp} tp={tp_size}"
         torch.manual_seed(0)
-        ref = Llama(small_cfg(arch, n_layer=2), layer_runner=checkpointing.run_layers)
+        ref = Llama(small_cfg(arch, n_layer=2))
         idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
         loss = ref(idx, idx)[1]
         loss.backward()
-        ref.recompute = recompute
-        model = layouts.TPLlama(ref, tp, layout) if layout else copy.deepcopy(ref)
+        model = layouts.TPLlama(ref, tp, layout, recompute=recompute)
         dp_shard.apply(model, mesh["dp"], mode, "float32", parallel.LEDGER)
         share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
         parallel.LEDGER.reset()
@@ -67,7 +64,7 @@ def _equivalence_worker(rank, world, tp_size):
         torch.testing.assert_close(mean / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
         assert all(dp_shard.is_sharded(p) for p in model.parameters()), where
         local = {n: dp_shard.whole(p.grad) for n, p in model.named_parameters()}
-        grads = model.gather_full(local) if layout else local
+        grads = model.gather_full(local)
         assert grads.keys() == dict(ref.named_parameters()).keys()
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{where} {name}: {m}")
@@ -75,18 +72,18 @@ def _equivalence_worker(rank, world, tp_size):
         full_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
         torch.testing.assert_close(norm.double(), full_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{where} norm: {m}")
         params = dict(model.named_parameters())
-        for name, spec in (model.named_specs() if layout and tp_size > 1 else ()):
+        for name, spec in (model.named_specs() if tp_size > 1 else ()):
             if spec.dim is None:   # replicated over TP: this dp shard of its gradient the same on each TP rank
                 g = dp_shard.local(params[name].grad)
                 peers = [torch.empty_like(g) for _ in range(tp_size)]
                 dist.all_gather(peers, g, group=mesh.get_group("tp"))
                 assert all(torch.equal(peer, g) for peer in peers), f"{where}: {name}'s gradient differs over TP"
     if tp_size == 1:
-        _check_mixed_precision(mesh, dp_rank, dp)
+        _check_mixed_precision(mesh, tp, dp_rank, dp)
     dist.barrier()
 
 
-def _check_mixed_precision(mesh, dp_rank, dp):
+def _check_mixed_precision(mesh, tp, dp_rank, dp):
     """bf16: FSDP's MixedPrecisionPolicy keeps fp32 shards, gathers them in bf16 (2 bytes an element
     in the ledger) and reduce-scatters the gradients in fp32 (4 bytes); the step is bf16 autocast's."""
     torch.manual_seed(0)
@@ -95,7 +92,8 @@ def _check_mixed_precision(mesh, dp_rank, dp):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = ref(idx, idx)[1]
     loss.backward()
-    model = dp_shard.apply(copy.deepcopy(ref), mesh["dp"], "grad", "bfloat16", parallel.LEDGER)
+    model = dp_shard.apply(layouts.TPLlama(ref, tp, "btp"), mesh["dp"], "grad", "bfloat16",
+                           parallel.LEDGER)
     share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
     parallel.LEDGER.reset()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -108,9 +106,10 @@ def _check_mixed_precision(mesh, dp_rank, dp):
     mean = part.detach().float().clone()
     dist.all_reduce(mean, group=mesh.get_group("dp"))
     torch.testing.assert_close(mean / dp, loss.detach().float(), rtol=1e-2, atol=1e-2)
-    for name, p in model.named_parameters():
-        g = dict(ref.named_parameters())[name].grad
-        torch.testing.assert_close(dp_shard.whole(p.grad), g, rtol=5e-2, atol=5e-2 * g.abs().max().item(),
+    grads = model.gather_full({n: dp_shard.whole(p.grad) for n, p in model.named_parameters()})
+    for name, p in ref.named_parameters():
+        g = p.grad
+        torch.testing.assert_close(grads[name], g, rtol=5e-2, atol=5e-2 * g.abs().max().item(),
                                    msg=lambda m: f"bf16 {name}: {m}")
 
 
@@ -134,12 +133,11 @@ def _pipeline_worker(rank, world):
         tied, schedule = i % 3 == 0, ("1f1b", "gpipe")[i % 2]
         where = f"{arch}/{layout} recompute={recompute} dp_shard={mode} tied={tied} {schedule} dp2 x pp2"
         torch.manual_seed(0)
-        ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied), layer_runner=checkpointing.run_layers)
+        ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied))
         idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
         loss = ref(idx, idx)[1]
         loss.backward()
-        ref.recompute = recompute
-        stage = layouts.TPLlama(ref, tp, layout, stage=pp_rank, stages=2)
+        stage = layouts.TPLlama(ref, tp, layout, stage=pp_rank, stages=2, recompute=recompute)
         dp_shard.apply(stage, mesh["dp"], mode, "float32", parallel.LEDGER)
         pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
         parallel.LEDGER.reset()

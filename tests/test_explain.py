@@ -11,7 +11,7 @@ import torch
 import options
 from checkpointing import SavedBytes
 from layouts import per_layer_traffic
-from conftest import TINY, expect_error, metrics, torchrun
+from conftest import TINY, expect_error, group_of_one, metrics, torchrun
 from model import Llama
 
 CASES = [("cola", "btp"), ("svd", "vanilla"), ("full", "megatron")]
@@ -54,8 +54,7 @@ def test_explain_one_device(tmp_path, recompute):
     cfg, _ = options.parse_args([*TINY, f"--recompute={recompute}"])
     cfg.vocab_size = options.vocab_size("bytes")
     torch.manual_seed(0)
-    import checkpointing
-    model = Llama(cfg, recompute=recompute, layer_runner=checkpointing.run_layers)
+    model = group_of_one(Llama(cfg), recompute)
     x = torch.randint(0, cfg.vocab_size, (2, tokens // 2))
     with SavedBytes(model) as meter:
         model(x, x)[1].backward()

@@ -163,17 +163,14 @@ def test_auto_timing_inside_a_recompute_segment(capsys, recompute):
     """--kernels=auto times a new shape the first time it comes, which may be inside an activation-
     checkpoint segment (the first step after a resume): the timing runs with grad on and past the
     segment's saved-tensor hooks, so the recomputation matches and the gradients are the reference's."""
-    import checkpointing
-    import layouts
-    import parallel
+    from conftest import group_of_one
     from model import Config, Llama
     cfg = Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=8, vocab_size=64)
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     grads = {}
     for mode in ("torch", "auto"):
         torch.manual_seed(0)
-        model = layouts.TPLlama(Llama(cfg, recompute=recompute, layer_runner=checkpointing.run_layers),
-                                parallel.TP(None, 0, 1), "btp")
+        model = group_of_one(Llama(cfg), recompute)
         kernels.select("torch", "cpu")   # (forgets earlier choices: every shape is new to auto)
         with kernels.using(mode):
             model(idx, idx)[1].backward()

@@ -18,7 +18,8 @@ import layouts
 import parallel
 import train_state
 from checkpointing import SavedBytes
-from conftest import (ROOT, TINY, check_tp_step, command, expect_error, losses, metrics, run_train, small_cfg,
+from conftest import (ROOT, TINY, check_tp_step, command, expect_error, group_of_one, losses, metrics,
+                      run_train, small_cfg,
                       spawn, torchrun)
 from lax import factor_pair
 from model import Bottleneck, Llama
@@ -107,28 +108,35 @@ def test_lax_options_and_counts(capsys, tmp_path):
 
 @pytest.mark.parametrize("gate", GATES)
 def test_lax_recompute_one_device(gate):
-    """Every recompute mode gives the same loss and gradients; the latents carried between layers are
-    kept: (4·ra + 3·rm) more per token per layer under lowrank and layer."""
+    """At tp=1 (a TP group of one, as train.py trains) every recompute mode gives the reference's
+    loss and gradients; the latents carried between layers are kept: (4·ra + 3·rm) more per token
+    per layer under lowrank and layer."""
     cfg_of = lambda n: small_cfg("cola", n_layer=n, lax=True, lax_gate=gate)
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     runs, saved = {}, {}
     for mode in checkpointing.RECOMPUTE:
         for n in (2, 4):
             torch.manual_seed(0)
-            m = Llama(cfg_of(n), recompute=mode, layer_runner=checkpointing.run_layers)
+            m = group_of_one(Llama(cfg_of(n)), mode)
             with SavedBytes(m) as meter:
                 loss = m(idx, idx)[1]
             loss.backward()
             saved[(mode, n)] = meter.bytes
             if n == 4:
-                runs[mode] = (loss.detach(), {k: p.grad for k, p in m.named_parameters()})
-    for mode in ("layer", "lowrank"):
-        torch.testing.assert_close(runs[mode][0], runs["none"][0])
+                runs[mode] = (loss.detach(), m.full_tensors(grads=True))
+    torch.manual_seed(0)
+    ref = Llama(cfg_of(4))
+    ref_loss = ref(idx, idx)[1]
+    ref_loss.backward()
+    runs["reference"] = (ref_loss.detach(), {k: p.grad for k, p in ref.named_parameters()})
+    for mode in ("none", "layer", "lowrank"):
+        torch.testing.assert_close(runs[mode][0], runs["reference"][0])
         for k, g in runs[mode][1].items():
-            torch.testing.assert_close(g, runs["none"][1][k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {k}: {m}")
+            torch.testing.assert_close(g, runs["reference"][1][k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{mode} {k}: {m}")
     per_layer = {mode: (saved[(mode, 4)] - saved[(mode, 2)]) / 2 / idx.numel() for mode in checkpointing.RECOMPUTE}
     lat = 4 * 16 + 3 * 24
-    assert per_layer["lowrank"] == (4 * 16 + 3 * 24 + 2 * 64 + lat) * 4, per_layer
+    assert per_layer["lowrank"] == (4 * 16 + 3 * 24 + 2 + 2 * 64 + lat) * 4, per_layer   # btp, t=1
     assert per_layer["layer"] == (64 + lat) * 4, per_layer
 
 
@@ -140,12 +148,11 @@ def _equivalence_worker(rank, world, meshes):
         for (arch, layout, gate), recompute in [(c, m) for c in CASES for m in checkpointing.RECOMPUTE]:
             where = f"{arch}/{layout} gate={gate} recompute={recompute} dp={dp} tp={tp}"
             torch.manual_seed(0)
-            ref = Llama(small_cfg(arch, n_layer=3, lax=True, lax_gate=gate), layer_runner=checkpointing.run_layers)
+            ref = Llama(small_cfg(arch, n_layer=3, lax=True, lax_gate=gate))
             idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
             logits, loss = ref(idx, idx)
             loss.backward()
-            ref.recompute = recompute
-            tp_model = layouts.TPLlama(ref, handle, layout)
+            tp_model = layouts.TPLlama(ref, handle, layout, recompute=recompute)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], idx[share])

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import checkpointing
 import layouts
 import parallel
-from conftest import small_cfg, spawn
+from conftest import group_of_one, small_cfg, spawn
 from model import Config, Llama
 
 
@@ -19,7 +19,6 @@ def lowrank_saved_per_token(layout, cfg, t, e=4):
     ra, rm, d = cfg.attn_rank, cfg.mlp_rank, cfg.n_embd
     lat = (4 * ra + 3 * rm) * e if cfg.lax else 0   # LaX: the previous layer's latents, whole
     return lat + {"btp": (4 * ra + 3 * rm + 2 + 2 * d // t) * e,
-                  "one": (4 * ra + 3 * rm + 2 * d) * e,
                   "vanilla": (4 * ra // t + 3 * rm // t + 2 * d) * e}[layout]
 
 
@@ -56,11 +55,22 @@ def check_recompute(make_model, layout, cfg, t, idx):
 def test_recompute_one_device(arch, size):
     cfg_of = lambda n: Config(**{**dict(n_head=8, n_kv_head=4, block_size=16, vocab_size=128), **size,
                                  "arch": arch, "n_layer": n})
-    def make_model(n_layer):
+    def make_model(n_layer):   # as train.py trains at tp=1: btp with a TP group of one
         torch.manual_seed(0)
-        return Llama(cfg_of(n_layer), layer_runner=checkpointing.run_layers)
+        return group_of_one(Llama(cfg_of(n_layer)))
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    check_recompute(make_model, "one", cfg_of(2), 1, idx)
+    check_recompute(make_model, "btp", cfg_of(2), 1, idx)
+    torch.manual_seed(0)
+    ref = Llama(cfg_of(2))   # and the reference's loss and gradients, whatever the mode
+    ref(idx, idx)[1].backward()
+    for mode in checkpointing.RECOMPUTE:
+        model = make_model(2)
+        model.recompute = mode
+        model(idx, idx)[1].backward()
+        grads = model.full_tensors(grads=True)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{mode} {name}: {m}")
 
 
 def test_recompute_flops_lowrank_below_layer():
@@ -69,7 +79,7 @@ def test_recompute_flops_lowrank_below_layer():
     flops = {}
     for mode in checkpointing.RECOMPUTE:
         torch.manual_seed(0)
-        model = Llama(small_cfg("cola", 4), recompute=mode, layer_runner=checkpointing.run_layers)
+        model = group_of_one(Llama(small_cfg("cola", 4)), mode)
         with FlopCounterMode(display=False) as counter:
             model(idx, idx)[1].backward()
         flops[mode] = counter.get_total_flops()

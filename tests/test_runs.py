@@ -212,7 +212,7 @@ def test_bad_places_and_devices(capsys, tmp_path):
     cfg, tc = options.parse_args(["--n_embd=96", "--n_head=6", "--n_kv_head=3", "--mlp_width=264", "--tp=3"])
     cfg.vocab_size = options.vocab_size("bytes")
     with pytest.raises(ValueError, match="does not divide the vocabulary of 320 .the tokenizer's, padded"):
-        options.plan_parallel(cfg, tc, 3)
+        options.plan(cfg, tc, 3)
 
 
 @pytest.fixture(scope="module")

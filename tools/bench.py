@@ -65,8 +65,10 @@ def bench_pp(iters, extra):
                   f"loss at iter {iters - 1}"], rows), out
 
 
-VARIANTS = {  # name: (arch, layout or None for one device, recompute, ablations.ablated's options)
+VARIANTS = {  # name: (arch, layout or None for model.Llama, recompute, ablations.ablated's options)
     "full": ("full", None, "none", {}), "svd": ("svd", None, "none", {}), "cola": ("cola", None, "none", {}),
+    "full/megatron, a TP group of one": ("full", "megatron", "none", {}),
+    "svd/btp, a TP group of one": ("svd", "btp", "none", {}),
     "full/megatron": ("full", "megatron", "none", {}), "cola/vanilla": ("cola", "vanilla", "none", {}),
     "svd/btp": ("svd", "btp", "none", {}), "cola/btp": ("cola", "btp", "none", {}),
     "cola/btp, a TP group of one": ("cola", "btp", "none", {}),
@@ -87,7 +89,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import ablations
     import layouts
     import parallel
-    from checkpointing import SavedBytes, run_layers
+    from checkpointing import SavedBytes
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
@@ -97,10 +99,10 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     for name in names:
         arch, layout, recompute, options = VARIANTS[name]
         torch.manual_seed(0)
-        model = Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"}), recompute=recompute,
-                      layer_runner=run_layers)
-        if layout:
-            model = layouts.TPLlama(model, tp, layout, block=ablations.ablated(**options) if options else None)
+        model = Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"}))
+        if layout:   # (None: the single-device reference, model.Llama itself)
+            block = ablations.ablated(**options) if options else None
+            model = layouts.TPLlama(model, tp, layout, recompute=recompute, block=block)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]), generator=torch.Generator().manual_seed(0))
 
@@ -152,7 +154,7 @@ def bench_layouts(iters, extra, tps):
     tokens = tc.batch_size * cfg.block_size
     rows, out = [], {}
     for tp in tps:
-        names = ["full", "svd", "cola", "cola/btp, a TP group of one"] if tp == 1 else \
+        names = ["full", "svd", "cola", *[n for n in VARIANTS if "group of one" in n]] if tp == 1 else \
             ["full/megatron", "cola/vanilla", "svd/btp", "cola/btp"] + \
             ([n for n in VARIANTS if " " in n and "group of one" not in n] if tp == tps[-1] or tp == 2 else [])
         out[tp] = measure(tp, names, cfg, tc.batch_size, iters)
@@ -194,11 +196,13 @@ def bench_checkpoint(extra):
     import torch
     import options
     import integrity
+    import layouts
+    import parallel
     import train_state
     from model import Llama
     cfg, _ = options.parse_args(shape_args(extra, ["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16"]))
     cfg.vocab_size = 50304
-    model = Llama(cfg)
+    model = layouts.TPLlama(Llama(cfg), parallel.TP(None, 0, 1), "megatron")   # as a tp=1 run trains it
     optimizer = torch.optim.AdamW(model.parameters())
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         t0 = time.time()

@@ -99,8 +99,10 @@ def train_step(cfg, device, compile_, batch=1, runs=5):
     """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
     import options
     import placement
-    # built as train.py builds it: with the kernels on, the BTP layer with a TP group of one
-    model = placement.build_model(cfg, options.TrainConfig(seed=0), placement.Placement(1, 1, str(device)), "btp")[0]
+    # built as train.py builds it: the BTP layer with a TP group of one
+    tc = options.TrainConfig(seed=0)
+    plan = options.Plan(cfg, tc, 1, 1, "btp" if cfg.lowrank else "megatron", str(device), "bfloat16")
+    model = placement.build_model(plan, placement.Placement(1, 1, str(device)))[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=str(device).startswith("cuda"))
     run = torch.compile(model) if compile_ else model
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device)

@@ -83,7 +83,7 @@ def sample_ms(args):
     cfg.vocab_size = options.vocab_size("bytes")
     dev = "cpu" if args.cpu else "cuda"
     kernels.select("auto", dev)
-    net = placement.build_model(cfg, tc, placement.Placement(1, 1, dev), "btp")[0]
+    net = placement.build_model(options.plan(cfg, tc, 1), placement.Placement(1, 1, dev))[0]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
     t0 = time.time()
     with torch.no_grad(), autocast, kernels.reference():
