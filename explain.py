@@ -24,7 +24,8 @@ from torch.utils.flop_counter import flop_registry
 import checkpointing
 import dp_shard
 import kernels
-import parallel
+import pipeline
+import placement
 from notation import Names
 from parallel import LEDGER
 
@@ -317,12 +318,12 @@ def main(plan, place, model):
     names = Names(cfg, tc.tp, b, s)
     x = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(tc.seed + rank)).to(device)
     if tc.pp > 1:  # one micro-batch, GPipe: the ops of one pass through the stages
-        pipe = parallel.Pipeline(model, mesh, 1, "gpipe", device)
+        pipe = pipeline.Pipeline(model, mesh, 1, "gpipe", device)
         pipe.run(x, x)        # its first run infers the shapes between stages with an extra forward:
         model.zero_grad(set_to_none=True)   # not recorded
     elif dp > 1 and tc.dp_shard == "none":   # (dp_shard: FSDP2 already holds the model: dp_shard.py)
         ddp = DDP(model, process_group=mesh.get_group("dp"))
-        ddp.register_comm_hook(mesh.get_group("dp"), parallel.ledger_ddp_hook)
+        ddp.register_comm_hook(mesh.get_group("dp"), placement.ledger_ddp_hook)
     events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device", pipe, ddp)
     view, sums = layer_view(events), totals(counts, saved, flops, b * s, names)
     views = [None] * world

@@ -23,11 +23,13 @@ the row-parallel Bs); layer 0 gathers its latents for layer 1 and all-reduces no
 Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
 `Spec` of each parameter, sharding.py) and is tested against it: same loss, same gradients.
 """
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 import dp_shard
 import kernels
@@ -36,7 +38,6 @@ from checkpointing import run_layers
 from model import Llama, causal_attention, gated_product, latent_act
 from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
-from rundir import traced   # a chunk as one labelled range in --profile's traces
 from sharding import Sharded
 
 LAYOUTS = ("btp", "vanilla", "megatron")
@@ -62,6 +63,18 @@ def check_divisible(cfg, tp, layout, pp=1):
     if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
         raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the tokenizer's, "
                          "padded to a multiple of 64): use a tp that divides 64")
+
+
+def traced(chunk):
+    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`; when no
+    profiler runs it costs one check (layouts.py's chunks)."""
+    @functools.wraps(chunk)
+    def run(block, *args):
+        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no graph break)
+            return chunk(block, *args)
+        with record_function(f"{block.label}: {chunk.__name__}"):
+            return chunk(block, *args)
+    return run
 
 
 class Traffic(NamedTuple):
@@ -295,8 +308,8 @@ class TPLlama(Sharded):
     As pipeline stage `stage` of `stages` it holds n_layer/stages layers, the embedding on the first
     stage and the final norm and LM head on the last; between stages the residual stream travels as
     held here ((b, s, d/t) under btp), and the last stage returns the logits for the schedule's loss
-    (parallel.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
-    whole and uses its slices (`embedding`, `head`); parallel.reduce_tied_grad sums their gradients.
+    (pipeline.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
+    whole and uses its slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
     `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
     `block` replaces the layout's layer class (tools/ablations.py)."""
 

@@ -8,17 +8,13 @@ and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it w
 explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 """
-import os
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-import dp_shard
 import kernels
 
 
@@ -242,7 +238,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # --------------------------------------------------------------------------- process groups
 
 @dataclass
-class TP:
+class TPGroup:
     """This process's tensor-parallel group: `tp_rank` of `size`; `overlap` (--overlap) makes the
     layouts use CopyUp for their column-parallel GEMMs."""
     group: object
@@ -259,139 +255,3 @@ def column_parallel(x, Ws, tp, sliced=False):
         return list(CopyUp.apply(x, tp.group, sliced, *Ws))
     x = Copy.apply(x, tp.group)
     return kernels.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]
-
-
-def finish(world):
-    """The end of a torchrun job's process: leave the group together (no rank closes its connections
-    while a peer still uses them)."""
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def exit_worker(world):
-    """The end of a spawned worker (tests, tools/bench.py): wait for the group, then exit at once,
-    with no teardown (os._exit frees it all): at interpreter teardown gloo's threads can abort the
-    process ('terminate called without an active exception'); a 4-rank worker once died of
-    SIGSEGV in a suite run here (where, unknown): the group's destruction need not run at all."""
-    if world > 1:
-        dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def init_mesh(dp, tp, device_type, timeout_s, pp=1):
-    """The (dp, pp, tp) DeviceMesh over the torchrun world, TP innermost (TP peers are adjacent
-    ranks, on one node), then PP, then DP."""
-    from torch.distributed.device_mesh import init_device_mesh
-    if not dist.is_initialized():
-        backend, timeout = ("nccl" if device_type == "cuda" else "gloo"), timedelta(seconds=timeout_s)
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-            # torchrun's store outlives a restarted worker group, and so do the old group's addresses
-            # in it: each attempt keeps its keys under its own prefix, or peers dial dead processes.
-            # The attempt is counted in the store itself (the restart count is per node).
-            world = int(os.environ["WORLD_SIZE"])
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  is_master=False, timeout=timeout)
-            attempt = (store.add("boost/arrivals", 1) - 1) // world
-            dist.init_process_group(backend, store=dist.PrefixStore(f"boost/attempt{attempt}", store),
-                                    rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
-    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    for name in ("dp", "pp", "tp"):
-        LEDGER.name(mesh.get_group(name), name)
-    return mesh
-
-
-def ledger_ddp_hook(group, bucket):
-    """DDP communication hook: the default gradient all-reduce, recorded in the ledger."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    LEDGER.record("all_reduce", group, bucket.buffer(), "grad")
-    return allreduce_hook(group, bucket)
-
-
-def clip_grad_norm(model, max_norm, pp_group=None):
-    """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards and pipeline stages."""
-    tp_model = getattr(model, "module", model)   # (a layouts.TPLlama, under DDP or not)
-    norm_sq = tp_model.grad_norm_sq()
-    if pp_group is not None:
-        dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
-    norm = norm_sq.sqrt().float()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in tp_model.parameters():
-        if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
-            g = dp_shard.local(p.grad)
-            g.mul_(coef.to(g.dtype))
-    return norm
-
-
-def all_reduce_grads(model, dp_group):
-    """The data-parallel mean of the gradients, where DDP is not used (under pipelining)."""
-    size = dist.get_world_size(dp_group)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad = all_reduce(p.grad, dp_group, "grad").div_(size)
-
-
-def reduce_tied_grad(model, pp_group=None):
-    """Tied embeddings: the gradient of the one matrix is the sum of its uses' parts, over the TP
-    ranks (layouts.TPLlama.reduce_tied_grad), then over the first and the last pipeline stage, which
-    both hold it (middle stages add zeros). Afterwards every holder has the single-device gradient,
-    so the copies stay equal step after step. A no-op for untied models and on one device."""
-    model = getattr(model, "module", model)
-    if not getattr(model, "tied", False):
-        return
-    model.reduce_tied_grad()
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
-        return
-    held, cfg = getattr(model, "tok_emb", None), model.cfg
-    rows = dp_shard.rows_held(model, cfg.vocab_size)   # (under --dp_shard the same dp shard's rows on both)
-    buf = dp_shard.local(held.grad) if held is not None else torch.zeros(rows, cfg.n_embd, device=model.rope_cos.device)
-    buf = all_reduce(buf, pp_group, "grad")   # (V, d), or this dp shard of its rows; in place
-    if held is not None and not dp_shard.is_sharded(held.grad):
-        held.grad = buf
-
-
-class Pipeline:
-    """Pipeline parallelism over layouts.TPLlama stages with torch.distributed.pipelining.
-
-    Each (dp, tp) rank of stage i sends its slice of the residual stream, (b, s, d/t) under btp, to
-    the same (dp, tp) rank of stage i+1, once per micro-batch forward and once per backward; the
-    ledger counts both. The schedule (1F1B or GPipe) runs this rank's gradient-accumulation
-    micro-batches; the loss is the vocab-parallel cross-entropy, and the schedule scales each
-    micro-batch's gradients by 1/n, so the result is the gradient of the mean loss."""
-
-    def __init__(self, stage_model, mesh, n_micro, schedule, device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        self.pp_group, tp_group = mesh.get_group("pp"), mesh.get_group("tp")
-        pp_rank, pp = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
-        self.first, self.last = pp_rank == 0, pp_rank == pp - 1
-        stage = PipelineStage(stage_model, pp_rank, pp, torch.device(device), group=self.pp_group)
-
-        def loss_fn(logits, targets):  # (b, s, V/t), (b, s)
-            return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), tp_group).mean()
-        self.schedule = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, n_micro, loss_fn=loss_fn)
-        self.n_micro, self.shapes = n_micro, None
-        stage_model.register_forward_hook(self._shapes)
-
-    def _shapes(self, module, inputs, output):
-        """The stage's input and output of one micro-batch (what crosses the stage boundaries)."""
-        self.shapes = (inputs[0].detach(), output.detach())
-
-    def run(self, x, y, train=True):
-        """All micro-batches of x, y (n_micro·b, s) through the pipeline (forward and backward when
-        training); returns the mean loss, on every stage, as a device tensor."""
-        losses = []
-        args = (x,) if self.first else ()
-        kwargs = {"target": y, "losses": losses} if self.last else {}
-        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
-        x_in, out = self.shapes  # (the schedule may run an extra forward to infer shapes: not counted)
-        for _ in range(self.n_micro):
-            if not self.last:            # the activation to the next stage
-                LEDGER.record("send", self.pp_group, out, "fwd")
-            if not self.first and train:  # the gradient of the input back to the previous stage
-                LEDGER.record("send", self.pp_group, x_in, "bwd")
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if self.last else torch.zeros((), device=x.device)
-        dist.all_reduce(loss, group=self.pp_group)  # only the last stage holds it
-        return loss   # on the device: train.py reads it at log steps

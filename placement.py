@@ -6,7 +6,9 @@ elsewhere), this rank's coordinates in it, and this rank's part of the single-de
 (layouts.TPLlama cuts it). explain.py and tools/bench_gpu.py build their models here too.
 """
 import os
+import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,17 +18,18 @@ import dp_shard
 import kernels
 import layouts
 import parallel
+import pipeline
 from model import Llama
 
 
 @dataclass
 class Placement:
-    """Where this process sits in the (dp, pp, tp) mesh (parallel.init_mesh), and on which device."""
+    """Where this process sits in the (dp, pp, tp) mesh (init_mesh), and on which device."""
     world: int
     dp: int
     device: str
     mesh: object = None
-    tp: parallel.TP = field(default_factory=lambda: parallel.TP(None, 0, 1))   # a group of one
+    tp: parallel.TPGroup = field(default_factory=lambda: parallel.TPGroup(None, 0, 1))   # a group of one
     dp_rank: int = 0
     pp_rank: int = 0
     host_group: object = None   # gloo, over every rank, whatever the device
@@ -49,8 +52,8 @@ def place_processes(plan):
     if device == "cuda":
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
-    mesh = parallel.init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
-    tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
+    mesh = init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
+    tp = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
     kernels.agree_over(mesh.get_group("tp"), mesh.get_group("dp"))   # a stage's ranks choose kernels alike
     host = dist.new_group(backend="gloo")   # CPU-side agreements (interrupts) that must not wait for the GPU
     return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), host)
@@ -78,19 +81,19 @@ def build_model(plan, place):
 
 def wrap(raw_model, tc, place, n_micro, warm=None):
     """(the model as trained, the pipeline or None): under pp > 1 the pipeline schedule over the
-    stage (parallel.Pipeline); else DDP over dp where --dp_shard does not shard (its gradient
+    stage (pipeline.Pipeline); else DDP over dp where --dp_shard does not shard (its gradient
     all-reduce recorded in the ledger), then torch.compile around it (so that DDPOptimizer splits
     the graph at its buckets). `warm()` runs first under compile: one eager step, so that
     --kernels=auto times every shape before tracing, which only reads the choices."""
     if tc.pp > 1:
-        return raw_model, parallel.Pipeline(raw_model, place.mesh, n_micro, tc.pp_schedule,
+        return raw_model, pipeline.Pipeline(raw_model, place.mesh, n_micro, tc.pp_schedule,
                                             place.device)
     model = raw_model
     if place.dp > 1 and tc.dp_shard == "none":
         cuda = place.device.startswith("cuda")
         model = DDP(model, process_group=place.group("dp"),
                     device_ids=[place.device] if cuda else None)
-        model.register_comm_hook(place.group("dp"), parallel.ledger_ddp_hook)
+        model.register_comm_hook(place.group("dp"), ledger_ddp_hook)
     if tc.compile:
         if warm is not None and kernels.backend() == "auto":
             warm()
@@ -135,3 +138,55 @@ def sizing_line(cfg, tc, n_params, place):
         line += ("; MORE THAN IT HAS: lower --batch_size (--gradient_accumulation_steps keeps the "
                  "batch), use --recompute, or more ranks")
     return line
+
+
+# ------------------------------------------------------------------ the process group and mesh
+
+def finish(world):
+    """The end of a torchrun job's process: leave the group together (no rank closes its connections
+    while a peer still uses them)."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_worker(world):
+    """The end of a spawned worker (tests, tools/bench.py): wait for the group, then exit at once,
+    with no teardown (os._exit frees it all): at interpreter teardown gloo's threads can abort the
+    process ('terminate called without an active exception'); a 4-rank worker once died of
+    SIGSEGV in a suite run here (where, unknown): the group's destruction need not run at all."""
+    if world > 1:
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def init_mesh(dp, tp, device_type, timeout_s, pp=1):
+    """The (dp, pp, tp) DeviceMesh over the torchrun world, TP innermost (TP peers are adjacent
+    ranks, on one node), then PP, then DP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        backend, timeout = ("nccl" if device_type == "cuda" else "gloo"), timedelta(seconds=timeout_s)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            # torchrun's store outlives a restarted worker group, and so do the old group's addresses
+            # in it: each attempt keeps its keys under its own prefix, or peers dial dead processes.
+            # The attempt is counted in the store itself (the restart count is per node).
+            world = int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timeout)
+            attempt = (store.add("boost/arrivals", 1) - 1) // world
+            dist.init_process_group(backend, store=dist.PrefixStore(f"boost/attempt{attempt}", store),
+                                    rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    for name in ("dp", "pp", "tp"):
+        parallel.LEDGER.name(mesh.get_group(name), name)
+    return mesh
+
+
+def ledger_ddp_hook(group, bucket):
+    """DDP communication hook: the default gradient all-reduce, recorded in the ledger."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    parallel.LEDGER.record("all_reduce", group, bucket.buffer(), "grad")
+    return allreduce_hook(group, bucket)

@@ -22,7 +22,6 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
   optimizer step labelled), replacing the files of an earlier profile there.
 """
 import fcntl
-import functools
 import json
 import os
 import re
@@ -35,7 +34,6 @@ import uuid
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 
 def check_place(out_dir):
@@ -282,15 +280,3 @@ def profiler(spec, out_dir, rank, log, steps=None):
         on_trace_ready=write, record_shapes=True)
     prof.start()
     return prof
-
-
-def traced(chunk):
-    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`; when no
-    profiler runs it costs one check (layouts.py's chunks)."""
-    @functools.wraps(chunk)
-    def run(block, *args):
-        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no graph break)
-            return chunk(block, *args)
-        with record_function(f"{block.label}: {chunk.__name__}"):
-            return chunk(block, *args)
-    return run

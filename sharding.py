@@ -4,7 +4,9 @@ BOOST (arXiv 2512.12131) sections 2-4 cut one model three ways (layouts.py). Eve
 carries a `Spec`: which full-model parameters it is cut from, along which dim, and how many rows of
 each it holds. From the Specs alone a layout's model is cut (`Sharded.shard`), gathered back to the
 full model's names and shapes (`gather_full`, which checkpoints, exports and the tests use), and its
-gradient norm counted once per parameter (`grad_norm_sq`).
+gradient norm counted once per parameter (`grad_norm_sq`). The gradients of a sharded model as one
+model's: the global norm and its clipping (`clip_grad_norm`), the tied embedding's gradient summed
+over its uses (`reduce_tied_grad`), the data-parallel mean where DDP is not used.
 """
 from dataclasses import dataclass
 
@@ -14,6 +16,7 @@ import torch.nn as nn
 
 import dp_shard
 import lax
+from parallel import all_reduce
 
 
 @dataclass
@@ -105,3 +108,47 @@ class Sharded(nn.Module):
         if dp_group is not None:
             dist.all_reduce(total, group=dp_group)
         return total
+
+
+# ------------------------------------------------------------------ the gradients as one model's
+
+def clip_grad_norm(model, max_norm, pp_group=None):
+    """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards and pipeline stages."""
+    tp_model = getattr(model, "module", model)   # (a layouts.TPLlama, under DDP or not)
+    norm_sq = tp_model.grad_norm_sq()
+    if pp_group is not None:
+        dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
+    norm = norm_sq.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in tp_model.parameters():
+        if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
+            g = dp_shard.local(p.grad)
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def all_reduce_grads(model, dp_group):
+    """The data-parallel mean of the gradients, where DDP is not used (under pipelining)."""
+    size = dist.get_world_size(dp_group)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = all_reduce(p.grad, dp_group, "grad").div_(size)
+
+
+def reduce_tied_grad(model, pp_group=None):
+    """Tied embeddings: the gradient of the one matrix is the sum of its uses' parts, over the TP
+    ranks (layouts.TPLlama.reduce_tied_grad), then over the first and the last pipeline stage, which
+    both hold it (middle stages add zeros). Afterwards every holder has the single-device gradient,
+    so the copies stay equal step after step. A no-op for untied models and on one device."""
+    model = getattr(model, "module", model)
+    if not getattr(model, "tied", False):
+        return
+    model.reduce_tied_grad()
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return
+    held, cfg = getattr(model, "tok_emb", None), model.cfg
+    rows = dp_shard.rows_held(model, cfg.vocab_size)   # (under --dp_shard the same dp shard's rows on both)
+    buf = dp_shard.local(held.grad) if held is not None else torch.zeros(rows, cfg.n_embd, device=model.rope_cos.device)
+    buf = all_reduce(buf, pp_group, "grad")   # (V, d), or this dp shard of its rows; in place
+    if held is not None and not dp_shard.is_sharded(held.grad):
+        held.grad = buf

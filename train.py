@@ -26,10 +26,10 @@ import data
 import dp_shard
 import kernels
 import options
-import parallel
 import placement
 import prepare
 import rundir
+import sharding
 import train_state
 from model import estimate_mfu, sample_text
 from tokenizer import identity as tokenizer_identity, need
@@ -68,7 +68,7 @@ def main(argv):
             import explain
             place = placement.place_processes(plan)
             explain.main(plan, place, placement.build_model(plan, place)[0])
-            parallel.finish(plan.world)
+            placement.finish(plan.world)
             return
         rundir.check_place(tc.out_dir)
         if master:
@@ -158,7 +158,7 @@ def train(plan, argv, resume, interrupt):
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
         sample(run)
-    parallel.finish(plan.world)
+    placement.finish(plan.world)
     return signum
 
 
@@ -270,7 +270,7 @@ def train_step(run, iter_num):
         with run.autocast:
             loss_sum = run.pipe.run(*run.whole("train", "train", iter_num))
         if run.tc.dp_shard == "none":   # (dp_shard: FSDP2 reduce-scatters at the last micro-batch)
-            parallel.all_reduce_grads(run.raw_model, run.place.group("dp"))
+            sharding.all_reduce_grads(run.raw_model, run.place.group("dp"))
     else:
         sharded = run.tc.dp_shard != "none"
         for micro, (x, y) in enumerate(run.shares("train", "train", iter_num)):
@@ -283,9 +283,9 @@ def train_step(run, iter_num):
                     loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach().float()
-    parallel.reduce_tied_grad(run.raw_model, run.pp_group)
+    sharding.reduce_tied_grad(run.raw_model, run.pp_group)
     clip = run.tc.grad_clip if run.tc.grad_clip > 0 else float("inf")
-    grad_norm = parallel.clip_grad_norm(run.raw_model, clip, run.pp_group)
+    grad_norm = sharding.clip_grad_norm(run.raw_model, clip, run.pp_group)
     bad = ~torch.isfinite(grad_norm)   # the same on every rank (the gradients are all-reduced); no host sync:
     run.optimizer.found_inf = bad.float()   # the fused AdamW skips this update where it is 1
     run.nonfinite = torch.where(bad & (run.nonfinite < 0), iter_num, run.nonfinite)   # check_finite reads it

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import data
 import parallel
+import placement
 import prepare
 import train
 from model import Config
@@ -85,7 +86,7 @@ def _worker(rank, world, store, fn, *args):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
                             store=dist.FileStore(store, world))
     fn(rank, world, *args)
-    parallel.exit_worker(world)  # together, then skip the teardown where gloo's threads can abort
+    placement.exit_worker(world)  # together, then skip the teardown where gloo's threads can abort
 
 
 def command(cli, *args):
@@ -125,7 +126,7 @@ def group_of_one(ref, recompute="none", layout=None):
     megatron for dense), with activation checkpointing `recompute`."""
     import layouts
     layout = layout or ("btp" if ref.cfg.lowrank else "megatron")
-    return layouts.TPLlama(ref, parallel.TP(None, 0, 1), layout, recompute=recompute)
+    return layouts.TPLlama(ref, parallel.TPGroup(None, 0, 1), layout, recompute=recompute)
 
 
 def small_cfg(arch, n_layer=2, **extra):

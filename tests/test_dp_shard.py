@@ -13,6 +13,9 @@ from checkpointing import RECOMPUTE
 import dp_shard
 import layouts
 import parallel
+import pipeline
+import placement
+import sharding
 from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama
 
@@ -40,8 +43,8 @@ def fsdp_traffic(group_name="dp"):
 
 def _equivalence_worker(rank, world, tp_size):
     dp = world // tp_size
-    mesh = parallel.init_mesh(dp, tp_size, "cpu", 120)
-    tp = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp_size)
+    mesh = placement.init_mesh(dp, tp_size, "cpu", 120)
+    tp = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp_size)
     dp_rank = mesh.get_local_rank("dp")
     for (arch, layout), recompute, mode in [(c, r, m) for c in CASES for r in RECOMPUTE for m in ("grad", "full")]:
         if recompute == "lowrank" and arch == "full":
@@ -68,7 +71,7 @@ def _equivalence_worker(rank, world, tp_size):
         assert grads.keys() == dict(ref.named_parameters()).keys()
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{where} {name}: {m}")
-        norm = parallel.clip_grad_norm(model, float("inf"))   # the global norm, from the shards
+        norm = sharding.clip_grad_norm(model, float("inf"))   # the global norm, from the shards
         full_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
         torch.testing.assert_close(norm.double(), full_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{where} norm: {m}")
         params = dict(model.named_parameters())
@@ -124,8 +127,8 @@ def test_dp2_tp2_sharded_equals_single_device():
 
 def _pipeline_worker(rank, world):
     """dp2 x pp2: each stage's TP-local parameters (tp=1) sharded over its dp pair; 2 micro-batches."""
-    mesh = parallel.init_mesh(2, 1, "cpu", 120, 2)
-    tp = parallel.TP(mesh.get_group("tp"), 0, 1)
+    mesh = placement.init_mesh(2, 1, "cpu", 120, 2)
+    tp = parallel.TPGroup(mesh.get_group("tp"), 0, 1)
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     cases = [("cola", "btp", r) for r in RECOMPUTE] + [("cola", "vanilla", r) for r in RECOMPUTE] + \
         [("full", "megatron", r) for r in ("none", "layer")]
@@ -139,10 +142,10 @@ def _pipeline_worker(rank, world):
         loss.backward()
         stage = layouts.TPLlama(ref, tp, layout, stage=pp_rank, stages=2, recompute=recompute)
         dp_shard.apply(stage, mesh["dp"], mode, "float32", parallel.LEDGER)
-        pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
+        pipe = pipeline.Pipeline(stage, mesh, 2, schedule, "cpu")
         parallel.LEDGER.reset()
         pipe_loss = pipe.run(idx[dp_rank * 4:(dp_rank + 1) * 4], idx[dp_rank * 4:(dp_rank + 1) * 4]).clone()
-        parallel.reduce_tied_grad(stage, mesh.get_group("pp"))
+        sharding.reduce_tied_grad(stage, mesh.get_group("pp"))
         sent, expect = fsdp_traffic(), expected_fsdp_traffic(stage, mode)
         assert sent[("reduce_scatter", "grad")] == expect[("reduce_scatter", "grad")], (where, sent)  # once a step
         assert sent[("all_gather", "fwd")][0] >= expect[("all_gather", "fwd")][0], (where, sent)
@@ -155,7 +158,7 @@ def _pipeline_worker(rank, world):
         held = [None] * 2
         dist.all_gather_object(held, sorted(grads), group=mesh.get_group("pp"))
         assert sorted(set(sum(held, []))) == sorted(n for n, _ in ref.named_parameters()), where
-        norm = parallel.clip_grad_norm(stage, float("inf"), mesh.get_group("pp"))
+        norm = sharding.clip_grad_norm(stage, float("inf"), mesh.get_group("pp"))
         full_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
         torch.testing.assert_close(norm.double(), full_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{where} norm: {m}")
     dist.barrier()

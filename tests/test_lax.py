@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointing
 import layouts
 import parallel
+import placement
 import train_state
 from checkpointing import SavedBytes
 from conftest import (ROOT, TINY, check_tp_step, command, expect_error, group_of_one, losses, metrics,
@@ -142,8 +143,8 @@ def test_lax_recompute_one_device(gate):
 
 def _equivalence_worker(rank, world, meshes):
     for dp, tp in meshes:
-        mesh = parallel.init_mesh(dp, tp, "cpu", 120)
-        handle = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
+        mesh = placement.init_mesh(dp, tp, "cpu", 120)
+        handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
         dp_rank = mesh.get_local_rank("dp")
         for (arch, layout, gate), recompute in [(c, m) for c in CASES for m in checkpointing.RECOMPUTE]:
             where = f"{arch}/{layout} gate={gate} recompute={recompute} dp={dp} tp={tp}"
@@ -171,7 +172,7 @@ def test_lax_tp4_and_dp2_tp2_equal_single_device():
 
 
 def _ledger_worker(rank, world, out):
-    tp = parallel.TP(dist.group.WORLD, rank, world)
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     b, s = 2, 16
     for arch, layout, gate in CASES:

@@ -42,7 +42,7 @@ def _collectives_worker(rank, world):
         for overlap in (False, True):
             xo, Wo = x.clone().requires_grad_(), [W.clone().requires_grad_() for W in Ws]
             parallel.LEDGER.reset()
-            ys = parallel.column_parallel(xo, Wo, parallel.TP(g, rank, world, overlap), sliced)
+            ys = parallel.column_parallel(xo, Wo, parallel.TPGroup(g, rank, world, overlap), sliced)
             torch.autograd.backward(ys, dys)
             results.append((ys, xo.grad, [W.grad for W in Wo], dict(parallel.LEDGER.counts)))
         (ys, dx, dWs, counts), (ys_o, dx_o, dWs_o, counts_o) = results
@@ -86,7 +86,7 @@ def test_collectives_forward_and_backward():
 
 
 def _ledger_worker(rank, world, result_file):
-    tp = parallel.TP(dist.group.WORLD, rank, world)
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     b, s, out = 2, 16, {}
     for arch, layout in TP_CASES:

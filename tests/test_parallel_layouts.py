@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import layouts
 import parallel
+import placement
 from ablations import ablated
 from conftest import TINY, TP_CASES, check_tp_step, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama
@@ -17,8 +18,8 @@ from model import Llama
 
 def _equivalence_worker(rank, world, meshes):
     for dp, tp in meshes:
-        mesh = parallel.init_mesh(dp, tp, "cpu", 120)
-        plain, overlap = (parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, o) for o in (False, True))
+        mesh = placement.init_mesh(dp, tp, "cpu", 120)
+        plain, overlap = (parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, o) for o in (False, True))
         dp_rank = mesh.get_local_rank("dp")
         ablations = [("cola", "btp", {"online_norm": False}, {}), ("svd", "btp", {"grouped": False}, {})]  # tools/ablations.py
         variants = [(a, lay, {}, {"tie_embeddings": True, "mlp_gate": "silu" if a == "cola" else "none"})
@@ -79,7 +80,7 @@ def test_tp_training_reproduces_single_device(tmp_path, data_dir, arch, layout, 
 
 def _compile_worker(rank, world):
     from torch._dynamo.utils import counters
-    tp = parallel.TP(dist.group.WORLD, rank, world, overlap=True)
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world, overlap=True)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     # inductor (what --compile=true uses) for BTP; the baselines through dynamo and AOT autograd only,
     # which is where TP breaks graphs (inductor's C++ builds would add a minute to the suite)
@@ -122,7 +123,7 @@ BF16_LOSS, BF16_GRAD = dict(rtol=1e-4, atol=0.0), 6e-2
 
 
 def _bf16_worker(rank, world):
-    tp = parallel.TP(dist.group.WORLD, rank, world, overlap=True)
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world, overlap=True)
     for arch, layout in TP_CASES:
         torch.manual_seed(0)
         ref = Llama(small_cfg(arch))

@@ -9,14 +9,17 @@ import torch.distributed as dist
 
 import layouts
 import parallel
+import pipeline
+import placement
+import sharding
 from conftest import TINY, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama
 
 
 def _pipeline_worker(rank, world, meshes):
     for dp, pp, tp in meshes:
-        mesh = parallel.init_mesh(dp, tp, "cpu", 120, pp)
-        tp_handle = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
+        mesh = placement.init_mesh(dp, tp, "cpu", 120, pp)
+        tp_handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
         dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
         for arch, layout, schedule, tied in (("cola", "btp", "1f1b", False), ("full", "megatron", "gpipe", False),
                                              ("cola", "btp", "1f1b", True)):
@@ -28,12 +31,12 @@ def _pipeline_worker(rank, world, meshes):
             loss = ref(idx, tgt)[1]
             loss.backward()
             stage = layouts.TPLlama(ref, tp_handle, layout, stage=pp_rank, stages=pp)
-            pipe = parallel.Pipeline(stage, mesh, 2, schedule, "cpu")
+            pipe = pipeline.Pipeline(stage, mesh, 2, schedule, "cpu")
             share = slice(dp_rank * 8 // dp, (dp_rank + 1) * 8 // dp)
             parallel.LEDGER.reset()
             pipe_loss = pipe.run(idx[share], tgt[share]).clone()
-            parallel.all_reduce_grads(stage, mesh.get_group("dp"))
-            parallel.reduce_tied_grad(stage, mesh.get_group("pp"))
+            sharding.all_reduce_grads(stage, mesh.get_group("dp"))
+            sharding.reduce_tied_grad(stage, mesh.get_group("pp"))
             dist.all_reduce(pipe_loss, group=mesh.get_group("dp"))
             torch.testing.assert_close(pipe_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")
             grads = stage.full_tensors(grads=True)

@@ -94,7 +94,7 @@ def _recompute_worker(rank, world):
                                   ("btp", dict(n_embd=128, attn_rank=32, mlp_rank=32), True),
                                   ("vanilla", small, True), ("btp", {**small, "lax": True}, True),   # LaX (lax.py)
                                   ("vanilla", {**small, "lax": True, "lax_gate": "linear"}, True)):
-        tp = parallel.TP(dist.group.WORLD, rank, world, overlap)
+        tp = parallel.TPGroup(dist.group.WORLD, rank, world, overlap)
         cfg_of = lambda n: Config(**{**dict(n_head=8, n_kv_head=4, block_size=16, vocab_size=128), **size,
                                      "arch": "cola", "n_layer": n})
         def make_model(n_layer):

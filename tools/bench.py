@@ -89,11 +89,12 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import ablations
     import layouts
     import parallel
+    import placement
     from checkpointing import SavedBytes
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    tp = parallel.TP(dist.group.WORLD, rank, world)
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     runs, out = {}, {}
     for name in names:
@@ -132,7 +133,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
             out[name]["ms"].append(1000 * (time.perf_counter() - t0))
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    parallel.exit_worker(world)
+    placement.exit_worker(world)
 
 
 def measure(world, names, cfg, batch, iters):
@@ -202,7 +203,7 @@ def bench_checkpoint(extra):
     from model import Llama
     cfg, _ = options.parse_args(shape_args(extra, ["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16"]))
     cfg.vocab_size = 50304
-    model = layouts.TPLlama(Llama(cfg), parallel.TP(None, 0, 1), "megatron")   # as a tp=1 run trains it
+    model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), "megatron")   # as a tp=1 run trains it
     optimizer = torch.optim.AdamW(model.parameters())
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         t0 = time.time()

@@ -31,21 +31,23 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
     import torch.distributed as dist
     import layouts
     import parallel
+    import pipeline
+    import placement
     from model import Config, Llama
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
     tp = world // pp
-    mesh = parallel.init_mesh(1, tp, "cpu", 600, pp)
+    mesh = placement.init_mesh(1, tp, "cpu", 600, pp)
     pp_rank = mesh.get_local_rank("pp")
     idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]), generator=torch.Generator().manual_seed(0))
     runs = {}
     for arch, layout in CASES:
         for mode in MODES:
-            tp_handle = parallel.TP(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=mode == "overlap")
+            tp_handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=mode == "overlap")
             torch.manual_seed(0)
             model = layouts.TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"})), tp_handle, layout,
                                     stage=pp_rank, stages=pp)
-            pipe = parallel.Pipeline(model, mesh, 2, "1f1b", "cpu") if pp > 1 else None
+            pipe = pipeline.Pipeline(model, mesh, 2, "1f1b", "cpu") if pp > 1 else None
             runs[(f"{arch}/{layout}", mode)] = (model, pipe, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
     def step(key):
@@ -77,7 +79,7 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
             if e.key.split(" ")[0] in ("all_reduce", "all_gather", "wait")) / 1000
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    parallel.exit_worker(world)
+    placement.exit_worker(world)
 
 
 def _probe_worker(rank, world, store, tokens, width, result):
@@ -86,7 +88,7 @@ def _probe_worker(rank, world, store, tokens, width, result):
     import time
     import torch
     import torch.distributed as dist
-    import parallel
+    import placement
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
     x, a, b = torch.randn(tokens, width), torch.randn(tokens, 512), torch.randn(512, width // 2)
@@ -107,7 +109,7 @@ def _probe_worker(rank, world, store, tokens, width, result):
                 out[name].append(1000 * (time.perf_counter() - t0))
     if rank == 0:
         Path(result).write_text(json.dumps({k: statistics.median(v) for k, v in out.items()}))
-    parallel.exit_worker(world)
+    placement.exit_worker(world)
 
 
 def probe(tokens, width):

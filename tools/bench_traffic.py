@@ -16,10 +16,11 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     import torch.distributed as dist
     import layouts
     import parallel
+    import placement
     from model import Config, Llama
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
-    tp = parallel.TP(dist.group.WORLD, rank, world)
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     out, b, s = {}, 2, 32
     for arch, layout, lax in (("full", "megatron", False), ("cola", "vanilla", False), ("cola", "btp", False),
@@ -37,7 +38,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
                                                  "formula": list(layouts.per_layer_traffic(layout, cfg)[:2])}
     if rank == 0:
         Path(result).write_text(json.dumps(out))
-    parallel.exit_worker(world)
+    placement.exit_worker(world)
 
 
 
