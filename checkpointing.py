@@ -38,7 +38,7 @@ Under LaX (lax.py) every segment also takes the previous layer's latents h_prev 
 projections and returns this layer's, whole (replicated under btp, gathered under vanilla): in
 every row above, with `lowrank` and with `layer` alike, each layer keeps (4·ra + 3·rm)·e more.
 
-(Training-state checkpoints, the files a run saves and resumes from, are train_state.py.)
+(Training-state checkpoints, the files a run saves and resumes from, are plumbing/train_state.py.)
 """
 import torch
 from torch.utils.checkpoint import checkpoint

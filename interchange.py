@@ -12,7 +12,7 @@ CoLA model trained elsewhere be trained on with BTP). docs/design.md states both
         (r, out) = B.weight.T; one `rank` for all projections; `only_lr_act` true for
         down(gate·up), false for down(silu(gate)·up). Its k and v are n_head·head_dim wide.
 
-The commands (a checkpoint is a folder <out_dir>/checkpoints/iter_NNNNNNN, train_state.py's):
+The commands (a checkpoint is a folder <out_dir>/checkpoints/iter_NNNNNNN, plumbing/train_state.py's):
 
     python interchange.py export out/checkpoints/iter_0002000 model.pt               # one unsharded file
     python interchange.py export out/checkpoints/iter_0002000 hf_model --format=hf   # or cola
@@ -33,11 +33,11 @@ import zlib
 
 import torch
 
-import integrity
+from plumbing import integrity
 import model as llama
-import train_state
-import weights
-from tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, \
+from plumbing import train_state
+from plumbing import weights
+from plumbing.tokenizer import identity as tokenizer_identity, in_folder as tokenizer_in, load as load_tokenizer, \
     keep as keep_tokenizer, write_for_hf
 
 FORMATS = ("hf", "cola")
@@ -274,8 +274,8 @@ def export(path, out, fmt="pt"):
 def import_folder(folder, out_dir, tokenizer=None):
     """An hf or cola folder as the iteration-0 training checkpoint of a new run in out_dir, which
     --init_from=resume continues under any layout (fresh AdamW moments). Returns its folder."""
-    import options
-    import rundir
+    from plumbing import options
+    from plumbing import rundir
     rundir.check_place(out_dir)
     kw, state, named = read(folder)
     tokenizer = tokenizer or tokenizer_in(folder) or named   # --tokenizer, else the folder's file, else its name
@@ -334,7 +334,7 @@ def _exported_file(text):
 
 
 def cli(argv):
-    import data
+    from plumbing import data
     parser = data.CommandParser(prog="interchange.py", description="Export a training checkpoint (one file, or "
                                 "a folder other tools read), import such a folder as a checkpoint, or sample.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -375,7 +375,7 @@ def cli(argv):
         return
     try:
         m, tokenizer = load_exported(args.model_file)
-        enc = data.get_tokenizer(tokenizer)
+        enc = load_tokenizer(tokenizer)
     except ValueError as e:
         parser.error(str(e))
     except Exception as e:  # not a torch.save file, or not one of ours: unpickling fails many ways

@@ -68,7 +68,7 @@ def using(name):
 
 
 def reference():
-    """The PyTorch references inside (explain.py records ops with a dispatch mode, to which a Triton
+    """The PyTorch references inside (plumbing/explain.py records ops with a dispatch mode, to which a Triton
     launch is invisible)."""
     return using("torch")
 

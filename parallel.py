@@ -5,7 +5,7 @@ plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entro
 Function with an explicit group; CopyUp is f fused with the GEMMs after it, so that backward overlaps
 its all-reduce with the weight gradients (--overlap). Every collective records its op, group, phase
 and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it with the formulas and
-explain.py prints it in order.
+plumbing/explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 """
 from collections import defaultdict
@@ -29,7 +29,7 @@ class Ledger:
 
     def __init__(self):
         self.names, self.counts = {}, defaultdict(lambda: [0, 0, 0])
-        self.listener = None  # explain.py's: called with (op, group name, phase, tensor) in order
+        self.listener = None  # plumbing/explain.py's: called with (op, group name, phase, tensor) in order
 
     def name(self, group, name):
         self.names[id(group)] = name

@@ -5,7 +5,7 @@ Not part of the BOOST paper (arXiv 2512.12131); what a pretraining run needs bef
     python prepare.py --dataset=path/to/corpus --tokenizer=gpt2 [--data_dir=data --num_proc=N
                       --val_fraction=0.1 --text_field=text]
 
-corpus.py reads the corpus (text, JSON Lines, their .gz; a file or a folder) as a stream of pieces of
+plumbing/corpus.py reads the corpus (text, JSON Lines, their .gz; a file or a folder) as a stream of pieces of
 about 16 KiB, which `num_proc` worker processes tokenise in chunks; the tokens are appended to the
 split files as they come, so memory does not grow with the corpus, and the tokens do not depend on
 the number of workers. A document goes to the validation split when a hash of its index falls
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-import corpus
-import data
-from tokenizer import continued, identity as tokenizer_identity
+from plumbing import corpus
+from plumbing import data
+from plumbing.tokenizer import continued, identity as tokenizer_identity, load as load_tokenizer
 
 UNIT = 16                    # pieces (256 KiB to 1 MiB): a longer document is split in units of this many
 FORMAT = 5                   # bumped when the same source would give other token files (5: "▁" once a document)
@@ -92,7 +92,7 @@ _enc = None
 
 def _init_worker(tokenizer):
     global _enc
-    _enc = data.get_tokenizer(tokenizer)
+    _enc = load_tokenizer(tokenizer)
 
 
 def tokenize(task):
@@ -237,7 +237,7 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
         (out / "meta.json").unlink(missing_ok=True)   # meta.json goes first and comes back last
         for stale in out.glob("*.tmp"):   # left by a preparation that was killed: never read, removed
             stale.unlink()
-        enc = data.get_tokenizer(tokenizer)
+        enc = load_tokenizer(tokenizer)
         tmp = {s: out / f"{s}.bin.{os.getpid()}.tmp" for s in ("train", "val")}
         try:
             cpus = len(os.sched_getaffinity(0))   # 0: every CPU this process may use; never more

@@ -8,9 +8,9 @@ laptop CPU and on a GPU cluster:
 
 Read it top to bottom: main() checks everything and claims the out_dir; train() is the run: data,
 processes, model, optimizer, the loop, the end. Every rank draws its share of the same global batch
-from (seed, step) (data.py), so the logged loss, the mean over the global batch, is comparable line
-by line across layouts. Options and their checks: options.py; the out_dir's lock, metrics log and
-interrupts: rundir.py; the checkpoints: train_state.py.
+from (seed, step) (plumbing/data.py), so the logged loss, the mean over the global batch, is comparable line
+by line across layouts. Options and their checks: plumbing/options.py; the out_dir's lock, metrics log and
+interrupts: plumbing/rundir.py; the checkpoints: plumbing/train_state.py.
 """
 import math
 import os
@@ -22,17 +22,17 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import data
+from plumbing import data
 import dp_shard
 import kernels
-import options
-import placement
+from plumbing import options
+from plumbing import placement
 import prepare
-import rundir
+from plumbing import rundir
 import sharding
-import train_state
+from plumbing import train_state
 from model import estimate_mfu, sample_text
-from tokenizer import identity as tokenizer_identity, need
+from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer, need
 from parallel import LEDGER
 
 
@@ -65,7 +65,7 @@ def main(argv):
         plan = options.plan(cfg, tc, int(os.environ.get("WORLD_SIZE", "1")))
         kernels.select(tc.kernels, plan.device)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
-            import explain
+            from plumbing import explain
             place = placement.place_processes(plan)
             explain.main(plan, place, placement.build_model(plan, place)[0])
             placement.finish(plan.world)
@@ -383,7 +383,7 @@ def sample(run):
         return
     torch.manual_seed(tc.seed)
     with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels, each a new shape
-        run.log("sample:\n" + sample_text(run.raw_model, data.get_tokenizer(tc.tokenizer),
+        run.log("sample:\n" + sample_text(run.raw_model, load_tokenizer(tc.tokenizer),
                                                       tc.sample_tokens, run.place.device))
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import data
+from plumbing import data
 import parallel
-import placement
+from plumbing import placement
 import prepare
 import train
 from model import Config

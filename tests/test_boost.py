@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-import data
-import integrity
+from plumbing import data
+from plumbing.tokenizer import load as load_tokenizer
+from plumbing import integrity
 import interchange
-import options
+from plumbing import options
 import prepare
 import train
-import train_state
+from plumbing import train_state
 from conftest import ROOT, TINY, expect_error, group_of_one, losses, metrics, run_train, torchrun
 from model import Bottleneck, Config, Llama
 
@@ -97,7 +98,7 @@ def test_generate_extends():
 # ---------------------------------------------------------------------------- data
 
 def test_bytes_tokenizer_round_trip():
-    enc = data.get_tokenizer("bytes")
+    enc = load_tokenizer("bytes")
     text = "héllo wörld\n\tdef f(x): return x ** 2  # ünïcode ✓"
     ids = enc.encode_ordinary(text)
     assert ids == list(text.encode("utf-8")) and enc.decode(ids) == text
@@ -107,7 +108,7 @@ def test_bytes_tokenizer_round_trip():
 def test_gpt2_tokenizer_round_trip():
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
         pytest.skip("TIKTOKEN_CACHE_DIR is not set: no GPT-2 vocabulary without a download")
-    enc = data.get_tokenizer("gpt2")
+    enc = load_tokenizer("gpt2")
     assert enc.encode("hello world") == [31373, 995] and enc.n_vocab == 50257
     text = "BOOST trains low-rank LLMs.\n  Indented ünïcode."
     assert enc.decode(enc.encode_ordinary(text)) == text

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import corpus
-import data
+from plumbing import corpus
+from plumbing import data
 import prepare
 from conftest import ROOT, TINY, expect_error, losses, metrics
 

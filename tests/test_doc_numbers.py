@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import options
+from plumbing import options
 from conftest import ROOT
 from layouts import per_layer_traffic
 from model import Llama

@@ -8,8 +8,8 @@ import re
 
 from conftest import ROOT
 
-CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "kernels.py", "triton_kernels.py", "checkpointing.py",
-        "lax.py", "train.py")
+CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "pipeline.py", "kernels.py", "triton_kernels.py",
+        "checkpointing.py", "lax.py", "dp_shard.py", "train.py")
 SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
 
 
@@ -50,7 +50,8 @@ def test_code_files_and_functions_stay_small():
 def test_every_file_opens_with_a_docstring_naming_it():
     for path in code_files():
         doc = ast.get_docstring(ast.parse(path.read_text()))
-        assert doc and doc.startswith(f"{path.name}:"), path
+        name = f"{path.parent.name}/{path.name}" if path.name == "__init__.py" else path.name
+        assert doc and doc.startswith(f"{name}:"), path
 
 
 def imports(path):
@@ -61,7 +62,29 @@ def imports(path):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
+            if node.module == "plumbing":   # the package's modules by their names, as the root's
+                names |= {a.name for a in node.names}
+            elif node.module.startswith("plumbing."):
+                names.add(node.module.split(".")[1])
     return names
+
+
+STORY = [name for name in CORE if name != "train.py"]
+COMMANDS = ("train.py", "prepare.py", "interchange.py")
+
+
+def test_the_root_holds_the_story_and_the_commands_and_the_story_no_plumbing():
+    """At the root only the story and the commands (at most 14 files); what a run needs around them
+    is the plumbing package, which no story file imports (nor a command); model.py, the reference,
+    imports only torch, the standard library and lax.py."""
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert root == sorted([*STORY, *COMMANDS]) and len(root) <= 14, root
+    assert (ROOT / "plumbing" / "__init__.py").exists()
+    for name in STORY:
+        assert not imports(ROOT / name) & {"plumbing", *(c[:-3] for c in COMMANDS)}, name
+    import sys
+    outside = imports(ROOT / "model.py") - set(sys.stdlib_module_names) - {"torch", "lax"}
+    assert not outside, outside
 
 
 def test_no_import_cycles():

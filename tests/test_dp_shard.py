@@ -14,7 +14,7 @@ import dp_shard
 import layouts
 import parallel
 import pipeline
-import placement
+from plumbing import placement
 import sharding
 from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama

@@ -1,4 +1,4 @@
-"""test_explain.py: `--explain` (explain.py) and `--profile` (rundir.profiler): what they print and
+"""test_explain.py: `--explain` (plumbing/explain.py) and `--profile` (rundir.profiler): what they print and
 write is what a real step does: the collectives of a training step's ledger and of the formulas in
 layouts.py's docstring (layouts.per_layer_traffic), the saved bytes of the tests' meter.
 """
@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-import options
+from plumbing import options
 from checkpointing import SavedBytes
 from layouts import per_layer_traffic
 from conftest import TINY, expect_error, group_of_one, metrics, torchrun
@@ -92,8 +92,8 @@ def test_every_collective_is_labelled_with_its_real_role(layout):
     """An all-gather over tp is TP's (BTP's residual for the head, vanilla's LaX latents), never
     FSDP2's; over dp under --dp_shard it is FSDP2's; vanilla's LaX gradients are named too."""
     import types
-    import explain
-    from notation import Names
+    from plumbing import explain
+    from plumbing.notation import Names
     cfg, _ = options.parse_args([*TINY, "--arch=" + ("full" if layout == "megatron" else "cola")])
     rec = types.SimpleNamespace(layout=layout, names=Names(cfg, 2, 4, 32), events=[], pending=[], section="x",
                                 phase=lambda: "fwd")

@@ -1,4 +1,4 @@
-"""test_formats.py: the papers' own setting (tokenizer.py, corpus.py): a Hugging Face tokenizer.json
+"""test_formats.py: the papers' own setting (plumbing/tokenizer.py, plumbing/corpus.py): a Hugging Face tokenizer.json
 and a SentencePiece .model, both trained here on the embedded corpus (nothing is downloaded), and
 Parquet and zstd corpora made here: prepared the same for any --num_proc, decoded back to the text,
 trained at tp=1 and tp=2, resumed, exported to Hugging Face with the tokenizer and imported again.
@@ -8,11 +8,10 @@ import os
 
 import pytest
 
-import data
 import interchange
 import prepare
-import tokenizer
-import train_state
+from plumbing import tokenizer
+from plumbing import train_state
 from conftest import TINY, command, command_out, expect_error, metrics, torchrun
 
 
@@ -166,20 +165,32 @@ def test_a_broken_tokenizer_config_is_named(tmp_path, capsys, tokenizers_dir):
         expect_error(capsys, [f"--tokenizer={folder}", f"--out_dir={tmp_path / 'o'}"], fragment)
 
 
-def test_a_tokenizer_changed_or_gone_since_the_run_is_said_so(tmp_path, capsys, tokenizers_dir, data_dir):
-    """A resume whose recorded tokenizer file changed in place, or was deleted: one line that says so,
-    before any corpus is prepared."""
+def test_a_tokenizer_changed_or_gone_since_the_run_is_said_so(tmp_path, capsys, tokenizers_dir,
+                                                              monkeypatch):
+    """A run, and a resume, each hash and load their tokenizer file once (the vocabulary, the
+    prepared files' name, the checkpoint checks and the sample share them). A resume whose recorded
+    tokenizer file changed in place, or was deleted: one line that says so, before any corpus is
+    prepared."""
     import shutil
     tok = tmp_path / "tok.json"
     shutil.copyfile(tokenizers_dir / "tokenizer.json", tok)
     out = tmp_path / "run"
-    train_args = [f"--out_dir={out}", f"--data_dir={tmp_path / 'd'}", *TINY, f"--tokenizer={tok}"]
+    train_args = [f"--out_dir={out}", f"--data_dir={tmp_path / 'd'}", *TINY, f"--tokenizer={tok}",
+                  "--num_proc=1", "--sample_tokens=4"]
     import train
-    train.main([*train_args, "--max_iters=2", "--eval_interval=2"])
+    calls = []
+    digest, load = tokenizer._digest, tokenizer._load
+    monkeypatch.setattr(tokenizer, "_digest", lambda path: calls.append("hash") or digest(path))
+    monkeypatch.setattr(tokenizer, "_load", lambda name: calls.append("load") or load(name))
+    resume = [f"--out_dir={out}", "--init_from=resume", "--max_iters=4"]
+    for argv in ([*train_args, "--max_iters=2", "--eval_interval=2"], resume):
+        tokenizer._IDENTITY.clear(), tokenizer._LOADED.clear(), calls.clear()   # (a new process)
+        train.main(argv)
+        assert sorted(calls) == ["hash", "load"], (argv, calls)
     capsys.readouterr()
     shutil.copyfile(tokenizers_dir / "metaspace" / "tokenizer.json", tok)   # changed in place
     shutil.rmtree(tmp_path / "d")
-    resume = [f"--out_dir={out}", "--init_from=resume", "--max_iters=4"]
+    resume = [f"--out_dir={out}", "--init_from=resume", "--max_iters=6"]
     expect_error(capsys, resume, f"the tokenizer file {tok} changed since checkpoint", "put back the file")
     tok.unlink()
     expect_error(capsys, resume, f"the tokenizer {tok} that checkpoint", "is gone (deleted or moved)")
@@ -220,7 +231,7 @@ def test_train_resume_export_import_with_a_tokenizer_file(tmp_path, tokenizers_d
     assert tokenizer.identity(str(kept)) == tokenizer.identity(tok)
     assert train(f"--out_dir={tmp_path / 'imported'}", "--init_from=resume", f"--dataset={src}",   # (the
                  f"--data_dir={tmp_path / 'd'}", *TINY, "--max_iters=2", "--num_proc=1")[0] == 0   # record's)
-    assert data.get_tokenizer(str(kept)).n_vocab == 400
+    assert tokenizer.load(str(kept)).n_vocab == 400
 
 
 def test_tensorboard_events_hold_the_metrics(tmp_path, data_dir, monkeypatch, capsys):

@@ -1,5 +1,5 @@
-"""test_integrity.py: damaged or untrusted files never run code or reach the weights (integrity.py,
-train_state.py, interchange.py): a crafted checkpoint .metadata or pytorch_model.bin runs nothing, a
+"""test_integrity.py: damaged or untrusted files never run code or reach the weights (plumbing/integrity.py,
+plumbing/train_state.py, interchange.py): a crafted checkpoint .metadata or pytorch_model.bin runs nothing, a
 damaged meta.json or shard is named in one line by resume and export alike, pruning never removes the
 good checkpoint a run resumed from, and an import folder must fit its config.json exactly.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import integrity
+from plumbing import integrity
 import interchange
 import prepare
-import train_state
+from plumbing import train_state
 from conftest import ROOT, TINY, command, expect_error, metrics, run_train
 
 
@@ -179,7 +179,7 @@ def test_import_checks_the_folder_against_its_config(tmp_path, changes, fragment
 def test_a_huge_config_is_refused_from_the_weights_header_before_any_model_is_built(tmp_path, monkeypatch):
     """4000 layers x 1M width beside a small file: refused from the header's names and shapes, with
     no model of that size built and no tensor read."""
-    import weights
+    from plumbing import weights
     folder = fake_folder(tmp_path / "hf", cfg_changes={"num_hidden_layers": 4000, "hidden_size": 1 << 20,
                                                         "intermediate_size": 1 << 22, "head_dim": 1 << 18})
     monkeypatch.setattr(weights, "safetensors", lambda: pytest.fail("tensors read before the shapes were checked"))
@@ -262,7 +262,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(capsys, monkeypatch, 
     """Token files and checkpoint shards written to /dev/full (ENOSPC, as on a full filesystem):
     one line each, no temporary file left to fill the disk, the earlier checkpoint untouched."""
     import builtins
-    import data
+    from plumbing import data
     import prepare
     real_open, real_path_open = builtins.open, Path.open
 

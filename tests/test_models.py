@@ -1,5 +1,5 @@
 """test_models.py: the papers' models by name (configs/*.toml), the options their configs need (the
-MLP gate, tied embeddings), and checkpoints other tools read (interchange.py, train_state.py
+MLP gate, tied embeddings), and checkpoints other tools read (interchange.py, plumbing/train_state.py
 export/import). The tied and gate options under every TP layout are in test_parallel.py's
 equivalence tests. Run: .venv/bin/python -m pytest -q
 """
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import interchange
-import options
-import train_state
+from plumbing import options
+from plumbing import train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
 from model import Config, Llama
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import layouts
 import parallel
 import pipeline
-import placement
+from plumbing import placement
 import sharding
 from conftest import TINY, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama

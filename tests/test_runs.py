@@ -1,4 +1,4 @@
-"""test_runs.py: safe runs (rundir.py, train_state.py, options.py): an out_dir belongs to one run,
+"""test_runs.py: safe runs (plumbing/rundir.py, plumbing/train_state.py, plumbing/options.py): an out_dir belongs to one run,
 checkpoints are verified by content, interrupts save and resume exactly, every bad value is a
 one-line error, and the log says where the run stands. Each test names the README guarantee it
 proves. Run: .venv/bin/python -m pytest -q
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import integrity
+from plumbing import integrity
 import interchange
-import options
+from plumbing import options
 import train
-import train_state
+from plumbing import train_state
 from conftest import ROOT, TINY, command, expect_error, losses, metrics, run_train, torchrun
 
 RUN = ["--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8", "--batch_size=2"]
@@ -287,7 +287,7 @@ def test_the_start_says_where_the_parameters_and_memory_go(monkeypatch):
     """GPT-2's vocabulary on the default shape: the embedding and head are 98% of the model, said at
     the start; an estimate past 90% of what the machine has for a rank is a warning in that line."""
     import os
-    import placement
+    from plumbing import placement
     from model import Llama
     cfg, tc = options.parse_args(["--tokenizer=gpt2"])
     cfg.vocab_size = 50304

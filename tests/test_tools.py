@@ -43,7 +43,7 @@ def test_bench_runs_end_to_end(tmp_path):
         assert res.returncode == 0, res.stderr[-2000:]
         assert json.loads((tmp_path / "j" / f"bench-{what[0]}.json").read_text())
     import bench_comm
-    import options
+    from plumbing import options
     cfg, _ = options.parse_args(tiny[:-2])
     res = bench_comm.measure(1, 2, cfg, 2, 1)   # the comm bench's worker: every layout, three ways
     assert set(res) >= {(f"{a}/{lay}", mode) for a, lay in bench_comm.CASES for mode in bench_comm.MODES}

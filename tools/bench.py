@@ -89,7 +89,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import ablations
     import layouts
     import parallel
-    import placement
+    from plumbing import placement
     from checkpointing import SavedBytes
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
@@ -150,7 +150,7 @@ def measure(world, names, cfg, batch, iters):
 
 def bench_layouts(iters, extra, tps):
     """The paper's comparison on this machine: the layouts at each TP degree, then the ablations."""
-    import options
+    from plumbing import options
     cfg, tc = options.parse_args(shape_args(extra, ["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8"]))
     tokens = tc.batch_size * cfg.block_size
     rows, out = [], {}
@@ -183,7 +183,7 @@ def bench_layouts(iters, extra, tps):
 
 def bench_comm(iters, extra):
     import bench_comm
-    import options
+    from plumbing import options
     cfg, tc = options.parse_args(shape_args(extra, ["--n_layer=4", "--n_embd=512", "--n_head=8", "--block_size=256",
                                                     "--batch_size=4"]))
     header, rows, probe_title, probe_header, probe_rows, out = bench_comm.bench_comm(iters, cfg, tc.batch_size)
@@ -195,11 +195,11 @@ def bench_comm(iters, extra):
 def bench_checkpoint(extra):
     """The cost of a checkpoint's CRC-32s: save (which checksums), verify, and the checksums alone."""
     import torch
-    import options
-    import integrity
+    from plumbing import options
+    from plumbing import integrity
     import layouts
     import parallel
-    import train_state
+    from plumbing import train_state
     from model import Llama
     cfg, _ = options.parse_args(shape_args(extra, ["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16"]))
     cfg.vocab_size = 50304

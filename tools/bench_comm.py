@@ -32,7 +32,7 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
     import layouts
     import parallel
     import pipeline
-    import placement
+    from plumbing import placement
     from model import Config, Llama
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
@@ -88,7 +88,7 @@ def _probe_worker(rank, world, store, tokens, width, result):
     import time
     import torch
     import torch.distributed as dist
-    import placement
+    from plumbing import placement
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
     x, a, b = torch.randn(tokens, width), torch.randn(tokens, 512), torch.randn(512, width // 2)

@@ -133,8 +133,8 @@ def run_one(path, tokenizer, data_dir, num_proc):
 
 def tokenise_alone(jsonl, tokenizer, mb=100):
     """MB/s of tokenisation alone on the first `mb` MB of documents: one thread, two threads."""
-    import data
-    enc = data.get_tokenizer(tokenizer)
+    from plumbing.tokenizer import load as load_tokenizer
+    enc = load_tokenizer(tokenizer)
     docs, size = [], 0
     with open(jsonl) as f:
         for line in f:
@@ -153,7 +153,7 @@ def tokenise_alone(jsonl, tokenizer, mb=100):
 def bench_data(mb, keep=None, rounds=3):
     """(title, header, rows, note, results) of the preparation of an `mb` MB corpus (kept in `keep`):
     the medians of `rounds` interleaved rounds."""
-    from tokenizer import need
+    from plumbing.tokenizer import need
     need("pyarrow", "bench.py data's .parquet form")
     need("zstandard", "bench.py data's .jsonl.zst form")
     tmp = tempfile.TemporaryDirectory() if keep is None else None

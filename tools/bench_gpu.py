@@ -27,7 +27,7 @@ TP = 4
 
 def shapes():
     """{name: Config} of the two BOOST shapes this bench slices."""
-    import options
+    from plumbing import options
     return {name: options.parse_args([f"configs/boost_{name}.toml"])[0] for name in ("1b", "7b")}
 
 
@@ -97,8 +97,8 @@ def matmul_peak(device, dtype=torch.bfloat16, n=8192):
 
 def train_step(cfg, device, compile_, batch=1, runs=5):
     """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
-    import options
-    import placement
+    from plumbing import options
+    from plumbing import placement
     # built as train.py builds it: the BTP layer with a TP group of one
     tc = options.TrainConfig(seed=0)
     plan = options.Plan(cfg, tc, 1, 1, "btp" if cfg.lowrank else "megatron", str(device), "bfloat16")

@@ -16,7 +16,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     import torch.distributed as dist
     import layouts
     import parallel
-    import placement
+    from plumbing import placement
     from model import Config, Llama
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
@@ -45,7 +45,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
 def bench_traffic(extra, tp):
     import torch.multiprocessing as mp
     from model import Config
-    import options
+    from plumbing import options
     from bench_common import shape_args, table
     cfg, _ = options.parse_args(shape_args(extra, []))
     kwargs = {k: v for k, v in cfg.shape().items()}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-import data  # noqa: E402  (after the path line)
+from plumbing import data  # noqa: E402  (after the path line)
 from plot import check_output, pyplot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -74,10 +74,10 @@ def agree(a, b):
 def sample_ms(args):
     """ms of the 200-token sample a run ends with (train.sample's path: autocast, the reference ops)."""
     import torch
-    import data
+    from plumbing.tokenizer import load as load_tokenizer
     import kernels
-    import options
-    import placement
+    from plumbing import options
+    from plumbing import placement
     from model import sample_text
     cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2", "--kernels=auto"])
     cfg.vocab_size = options.vocab_size("bytes")
@@ -87,12 +87,12 @@ def sample_ms(args):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
     t0 = time.time()
     with torch.no_grad(), autocast, kernels.reference():
-        sample_text(net, data.get_tokenizer("bytes"), 200 if dev == "cuda" else 20, dev)
+        sample_text(net, load_tokenizer("bytes"), 200 if dev == "cuda" else 20, dev)
     return (time.time() - t0) * 1000
 
 
 def step(args):
-    import data
+    from plumbing import data
     import prepare
     data_dir = Path(args.out) / "data"
     shutil.rmtree(data_dir, ignore_errors=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
 
-import data  # noqa: E402  (after the path line)
+from plumbing import data  # noqa: E402  (after the path line)
 
 IMAGES = (".png", ".svg", ".pdf")   # the only files -o writes, replacing one of that name
 NUMBERS = {"iter", "loss", "val_loss", "tokens_per_s", "tokens_per_iter"}   # what is drawn
@@ -68,7 +68,7 @@ def read_run(out_dir):
 
 def pyplot(tool="tools/plot.py"):
     """matplotlib's pyplot drawing into files only (no display), or a one-line ValueError."""
-    from tokenizer import need
+    from plumbing.tokenizer import need
     need("matplotlib", tool).use("Agg")
     import matplotlib.pyplot as plt
     return plt

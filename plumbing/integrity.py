@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
     TensorProperties, TensorStorageMetadata)
 
-from data import crc32   # noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
+from plumbing.data import crc32   # noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
 
 # ------------------------------------------------------------------------ .metadata, read as data
 

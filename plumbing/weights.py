@@ -17,7 +17,7 @@ import struct
 
 import torch
 
-from tokenizer import need
+from plumbing.tokenizer import need
 
 WEIGHTS = "model.safetensors"   # what transformers writes by default
 HEADER_MAX = 100 << 20          # bytes: safetensors' own limit on a header

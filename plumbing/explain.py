@@ -25,8 +25,8 @@ import checkpointing
 import dp_shard
 import kernels
 import pipeline
-import placement
-from notation import Names
+from plumbing import placement
+from plumbing.notation import Names
 from parallel import LEDGER
 
 ATTENTION = "scaled_dot_product"

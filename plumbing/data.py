@@ -21,10 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-import tokenizer
-
 EMBEDDED = "pydoc"  # the default corpus: Python's own help text, shipped with every CPython (prepare.py)
-get_tokenizer = tokenizer.load   # bytes, gpt2, or a tokenizer.json / SentencePiece .model (tokenizer.py)
 
 
 def crc32(path, chunk=16 << 20):

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 import dp_shard
-import integrity
+from plumbing import integrity
 import model as llama
-from tokenizer import identity as tokenizer_identity
+from plumbing.tokenizer import identity as tokenizer_identity
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -19,7 +19,7 @@ import gzip
 import io
 from pathlib import Path
 
-import data
+from plumbing import data
 
 PIECE = 16 << 10             # bytes: documents are cut at the first line end past this many bytes
 LONGEST = 4 * PIECE          # bytes: a piece with no line end in it is cut here
@@ -41,7 +41,7 @@ def kind_of(path):
 
 def check_packages(files):
     """A one-line ValueError naming the package a corpus's formats need and this Python lacks."""
-    from tokenizer import need
+    from plumbing.tokenizer import need
     kinds = {kind_of(f) for f in files}
     if any(kind == "parquet" for kind, _ in kinds):
         need("pyarrow", "reading the corpus's .parquet files")

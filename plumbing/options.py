@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 import checkpointing
-import data
+from plumbing import data
+from plumbing.tokenizer import load as load_tokenizer
 import dp_shard
 import kernels
 import layouts
 import prepare
-import train_state
+from plumbing import train_state
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
 
@@ -288,7 +289,7 @@ def check_device(device):
 
 def vocab_size(tokenizer):
     """The model's vocabulary: the tokenizer's, padded to a multiple of 64 (fast, divisible by tp)."""
-    return 64 * math.ceil(data.get_tokenizer(tokenizer).n_vocab / 64)
+    return 64 * math.ceil(load_tokenizer(tokenizer).n_vocab / 64)
 
 
 @dataclass

@@ -51,16 +51,46 @@ def locate(name):
     return ("spm" if p.suffix == ".model" else "hf"), p
 
 
+# One hash and one load of a tokenizer a process (a run asks for both from several places: the
+# vocabulary's size, the prepared files' name, checkpoint checks, the sample): kept by the file's
+# state, so a file that changes is read again.
+_IDENTITY, _LOADED = {}, {}
+
+
+def _state(name):
+    """What identifies the tokenizer `name` now: its name, or its file's path, size, mtime, inode."""
+    if name in NAMES:
+        return name
+    path = locate(name)[1].resolve()
+    st = path.stat()
+    return str(path), st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def identity(name):
     """`bytes`, `gpt2`, or the kind and a hash of the file: what token files and checkpoints record."""
     if name in NAMES:
         return name
-    kind, path = locate(name)
-    return f"{kind}-{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+    key = _state(name)
+    if key not in _IDENTITY:
+        kind, path = locate(name)
+        _IDENTITY[key] = f"{kind}-{_digest(path)}"
+    return _IDENTITY[key]
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def load(name):
-    """The tokenizer `name` names (see the module's docstring); ValueError in one line where it cannot."""
+    """The tokenizer `name` names (see the module's docstring), loaded once a process (while its file
+    is unchanged); ValueError in one line where it cannot."""
+    key = _state(name)
+    if key not in _LOADED:
+        _LOADED[key] = _load(name)
+    return _LOADED[key]
+
+
+def _load(name):
     if name == "bytes":
         import tiktoken
         ranks = {bytes([i]): i for i in range(256)}

@@ -1,0 +1,17 @@
+"""plumbing/__init__.py: what a run needs around BOOST's story (arXiv 2512.12131), apart from it.
+
+The files at the repository's root tell the story (model, layouts, sharding, parallel, pipeline,
+kernels, checkpointing, lax, dp_shard) and are the commands a user types (train, prepare,
+interchange); none of the story imports this package. Here:
+
+  options      train.py's options, their checks, and a run's Plan (resolved once)
+  placement    the process group and (dp, pp, tp) mesh, and the build step: this rank's model
+  rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
+  train_state  training-state checkpoints (DCP): save, verify, choose, resume
+  integrity    checksums, and reading files from elsewhere as data (never code)
+  weights      safetensors files read as data, for imports
+  tokenizer    bytes, GPT-2, Hugging Face tokenizer.json and SentencePiece .model
+  corpus       text, JSON Lines, Parquet and compressed corpora, read document by document
+  data         prepared token files and the batches drawn from them
+  explain      --explain=true: one recorded step, printed (notation: the names of its shapes)
+"""
