@@ -77,11 +77,12 @@ def run_layers(layers, x, cos, sin, recompute, lat=None):
             x, lat = layer(x, cos, sin, lat)
         return x, lat
     if recompute == "layer":
-        for layer in layers:   # (the latents as arguments of their own: checkpoint keeps those it is given)
+        # (the latents as arguments of their own: checkpoint keeps those it is given)
+        for layer in layers:
             x, lat = _segment(_whole_layer(layer), x, cos, sin, *(lat or ()))
         return x, lat
     p = lat or (None,) * 4
-    for layer in layers:   # (through layer.call, which FSDP2 hooks as it hooks forward: dp_shard.py)
+    for layer in layers:  # (through layer.call, which FSDP2 hooks as it hooks forward: dp_shard.py)
         x, p = layer.call(_lowrank_layer, x, cos, sin, p)
     return x, (p if layers[0].lax else None)
 
@@ -91,7 +92,8 @@ def check_recompute(cfg, recompute):
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute} is not one of {', '.join(RECOMPUTE)}")
     if recompute == "lowrank" and not cfg.lowrank:
-        raise ValueError("recompute=lowrank needs low-rank bottlenecks; arch=full uses none or layer")
+        raise ValueError("recompute=lowrank needs low-rank bottlenecks; arch=full uses none or "
+                         "layer")
 
 
 class SavedBytes:

@@ -1,4 +1,5 @@
-"""dp_shard.py: sharded data parallelism, PyTorch's FSDP2 on the data-parallel dimension of the mesh.
+"""dp_shard.py: sharded data parallelism, PyTorch's FSDP2 on the data-parallel dimension of the
+mesh.
 
 Not in the BOOST paper (arXiv 2512.12131), which leaves ZeRO and FSDP out of scope as orthogonal
 (§6 composes BTP with plain data parallelism). `--dp_shard=` chooses what the dp ranks keep:
@@ -31,7 +32,8 @@ def apply(model, dp_mesh, mode, dtype, ledger=None):
     compute dtype) mixed precision through FSDP's MixedPrecisionPolicy: fp32 shards, gathered in
     bf16 for compute, gradients reduced in fp32 (gloo does this on a CPU too); every collective
     FSDP sends recorded in `ledger` (parallel.LEDGER)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == "bfloat16" else MixedPrecisionPolicy()
     for layer in model.layers:
@@ -114,5 +116,6 @@ def put_back(t, gathered, dp_rank, dp):
     """Copy this rank's dp shard of `gathered` (the TP-local tensor) into the sharded `t` (FSDP2
     shards dim 0 as torch.chunk does)."""
     mine, parts = local(t), torch.chunk(gathered, dp, dim=0)
-    part = parts[dp_rank] if dp_rank < len(parts) else gathered[:0]   # (fewer rows than ranks: some hold none)
+    # (fewer rows than ranks: some hold none)
+    part = parts[dp_rank] if dp_rank < len(parts) else gathered[:0]
     mine.copy_(part.reshape(mine.shape))

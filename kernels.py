@@ -1,8 +1,9 @@
 """kernels.py: the local compute ops of bottleneck-aware TP: PyTorch references and Triton kernels.
 
 BOOST (arXiv 2512.12131) sections 3-4. layouts.py and parallel.py call `norm_down`, `grouped_up`
-(and its backward halves for parallel.CopyUp) and `rms_norm`; `select()` (train.py's --kernels=auto|triton|torch) decides whether they run the
-PyTorch reference (the specification, and the CPU path) or the Triton kernels, forward and backward.
+(and its backward halves for parallel.CopyUp) and `rms_norm`; `select()` (train.py's
+--kernels=auto|triton|torch) decides whether they run the PyTorch reference (the specification, and
+the CPU path) or the Triton kernels, forward and backward.
 
 - norm_down: the local half of online RMSNorm fused with a grouped down-projection. For a rank's
   slice x (M, K) of the residual stream, its slice γ (K) of the gain and its columns A (N, K) of the
@@ -26,7 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
-    import triton_kernels as tk  # first: it sets TRITON_INTERPRET=1 where there is no CUDA, before Triton loads
+    # first: it sets TRITON_INTERPRET=1 where there is no CUDA, before Triton loads
+    import triton_kernels as tk
     import triton
 except ImportError:  # a laptop without Triton: the reference path still works
     triton = None
@@ -37,28 +39,32 @@ _backend = "torch"
 
 def select(mode, device):
     """Choose the implementation: triton or torch everywhere; auto = on CUDA, per op and shape, the
-    faster of the two as measured the first time the shape comes (`_which`); elsewhere the reference."""
+    faster of the two as measured the first time the shape comes (`_which`); elsewhere the
+    reference."""
     global _backend
     if mode not in BACKENDS:
         raise ValueError(f"kernels={mode} is not one of {', '.join(BACKENDS)}")
     if mode == "triton" and triton is None:
         raise ValueError("kernels=triton but Triton is not installed")
-    if mode == "triton" and not str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if mode == "triton" and not str(device).startswith("cuda") and not interpreted:
         raise ValueError("kernels=triton on a CPU needs TRITON_INTERPRET=1 set before start")
-    _backend = mode if mode != "auto" else ("auto" if triton and str(device).startswith("cuda") else "torch")
+    _backend = mode if mode != "auto" else ("auto" if triton and str(device).startswith("cuda")
+                                            else "torch")
     _choices.clear()
     return _backend
 
 
 def backend():
-    """The implementation select() chose: "torch", "triton" or "auto" (measured per op and shape)."""
+    """The implementation select() chose: "torch", "triton" or "auto" (measured per op and
+    shape)."""
     return _backend
 
 
 @contextlib.contextmanager
 def using(name):
-    """`name` ("torch", "triton" or "auto") inside, whatever select() chose: the auto timing runs each
-    side this way, and the benches and tests force one."""
+    """`name` ("torch", "triton" or "auto") inside, whatever select() chose: the auto timing runs
+    each side this way, and the benches and tests force one."""
     global _backend
     saved, _backend = _backend, name
     try:
@@ -68,8 +74,8 @@ def using(name):
 
 
 def reference():
-    """The PyTorch references inside (plumbing/explain.py records ops with a dispatch mode, to which a Triton
-    launch is invisible)."""
+    """The PyTorch references inside (plumbing/explain.py records ops with a dispatch mode, to
+    which a Triton launch is invisible)."""
     return using("torch")
 
 
@@ -79,15 +85,16 @@ def chosen():
 
 
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
-_agree = []     # the process groups over which auto's times are averaged before choosing (agree_over)
+_agree = []  # the process groups over which auto's times are averaged before choosing (agree_over)
 
 
 def agree_over(*groups):
     """Under torchrun, the groups whose ranks run the same shapes at the same moments (a pipeline
-    stage's TP and DP groups): auto averages each shape's times over them, so every rank chooses alike.
-    Ranks choosing alone could run replicated work (the final norm, vanilla's and megatron's norms)
-    through different implementations: the copies of a replicated weight would round differently and
-    drift apart, and the gradient norm, hence clipping, would differ between ranks."""
+    stage's TP and DP groups): auto averages each shape's times over them, so every rank chooses
+    alike. Ranks choosing alone could run replicated work (the final norm, vanilla's and megatron's
+    norms) through different implementations: the copies of a replicated weight would round
+    differently and drift apart, and the gradient norm, hence clipping, would differ between
+    ranks."""
     _agree[:] = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
 
 
@@ -98,8 +105,8 @@ def _rows(t):
 
 
 def _which(op, shape_key, fn, args):
-    """The implementation of `op` for this shape: the forced one, or under auto the faster of the two
-    for fn(*args) forward and backward, timed once (3 runs each after a warm-up), logged once.
+    """The implementation of `op` for this shape: the forced one, or under auto the faster of the
+    two for fn(*args) forward and backward, timed once (3 runs each after a warm-up), logged once.
     shape_key() names the shape; it is called only under auto, off the reference's hot path."""
     if _backend != "auto":
         return _backend
@@ -107,10 +114,12 @@ def _which(op, shape_key, fn, args):
     if (op, key) not in _choices:
         if torch.compiler.is_compiling():
             return "torch"   # (timed in the eager warm-up steps, not while tracing)
-        times = _averaged({name: _time(fn, args, name) for name in ("triton", "torch")}, args[0].device)
+        times = _averaged({name: _time(fn, args, name) for name in ("triton", "torch")},
+                          args[0].device)
         _choices[(op, key)] = min(times, key=times.get)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch {times['torch']:.3f} ms: "
+            print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch "
+                  f"{times['torch']:.3f} ms: "
                   f"{_choices[(op, key)]}")
     return _choices[(op, key)]
 
@@ -131,8 +140,10 @@ def _time(fn, args, name, runs=3):
     (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
     activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
     import time
-    with using(name), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args]
+    plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with using(name), torch.enable_grad(), plain:
+        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a)
+                  else a for a in args]
         sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
         for i in range(runs + 1):
             if i == 1:
@@ -153,7 +164,8 @@ def norm_down_ref(x, gamma, A):
 
 def grouped_up_ref(z, Bs):
     """z (..., G·r) the concatenated latents, Bs [(n_g, r)] -> [z_g·B_gᵀ (..., n_g)]: one GEMM per
-    group on a strided view of z, so nothing is copied (a stacked bmm copies z and every B_g twice)."""
+    group on a strided view of z, so nothing is copied (a stacked bmm copies z and every B_g
+    twice)."""
     return [zg @ B.t() for zg, B in zip(z.split(Bs[0].shape[1], -1), Bs)]
 
 
@@ -215,10 +227,12 @@ def grouped_up_dB(dys, z, Bs):
     """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype."""
     zs = z.split(Bs[0].shape[1], -1)
     if _up_backend(dys, Bs) == "torch":
-        return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype)).to(B.dtype)
+        return [(dy.reshape(-1, dy.shape[-1]).t()
+                 @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype)).to(B.dtype)
                 for dy, zg, B in zip(dys, zs, Bs)]
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
-    dW = _up_dW(dY, z.reshape(-1, z.shape[-1]).to(dY.dtype), Bs[0].shape[1], [B.shape[0] for B in Bs])
+    dW = _up_dW(dY, z.reshape(-1, z.shape[-1]).to(dY.dtype), Bs[0].shape[1],
+                [B.shape[0] for B in Bs])
     return [d.to(B.dtype) for d, B in zip(dW.split([B.shape[0] for B in Bs]), Bs)]
 
 
@@ -230,7 +244,8 @@ def rms_norm(x, gamma, eps):
     return RMSNormFn.apply(x2, gamma, eps).view(x.shape)
 
 
-# ------------------------------------------------------------------------- autograd of the Triton kernels (triton_kernels.py)
+# ------------------------------------------------------------------------- autograd of the Triton
+# kernels (triton_kernels.py)
 
 class NormDown(torch.autograd.Function):
     @staticmethod
@@ -241,7 +256,8 @@ class NormDown(torch.autograd.Function):
         S = torch.empty(M, dtype=torch.float32, device=x.device)
         up, ieee = tk.dot_flags(x)
         grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
-        tk.norm_down_fwd[tk.bits(x)][grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0), H.stride(0), tk.bucket(M),
+        tk.norm_down_fwd[tk.bits(x)][grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0),
+                                           H.stride(0), tk.bucket(M),
                                            UPCAST=up, IEEE=ieee)
         ctx.save_for_backward(x, gamma, A)
         return H, S
@@ -251,16 +267,19 @@ class NormDown(torch.autograd.Function):
         x, gamma, A = ctx.saved_tensors
         (M, K), N = x.shape, A.shape[0]
         dH = dH.contiguous()
-        dS = torch.zeros(M, dtype=torch.float32, device=x.device) if dS is None else dS.float().contiguous()
+        dS = torch.zeros(M, dtype=torch.float32,
+                         device=x.device) if dS is None else dS.float().contiguous()
         up, ieee = tk.dot_flags(x)
         dx = torch.empty_like(x)
-        dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)  # per row block
+        # per row block
+        dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)
         grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(K, META["BK"]))
-        tk.norm_down_dx[tk.bits(x)][grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0), A.stride(0), x.stride(0),
+        tk.norm_down_dx[tk.bits(x)][grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
+                                          A.stride(0), x.stride(0),
                                           tk.bucket(M), UPCAST=up, IEEE=ieee)
         xg = x * gamma                                                     # (M, K)
         dA = torch.empty_like(A)
-        tk.grouped_mm(tk.Operand(dH, 1, N), tk.Operand(xg, K, 1), tk.Operand(dA, K, 1),   # dHᵀ·(x⊙γ)
+        tk.grouped_mm(tk.Operand(dH, 1, N), tk.Operand(xg, K, 1), tk.Operand(dA, K, 1),  # dHᵀ·(x⊙γ)
                       [tk.Group(P=N, Q=K, K=M)], call="dA")
         return dx, dg.sum(0).to(gamma.dtype), dA
 
@@ -274,8 +293,10 @@ class GroupedUp(torch.autograd.Function):
         (M, R), r = Z.shape, W.shape[1]
         offsets = [sum(widths[:g]) for g in range(len(widths))]
         Y = torch.empty(M, sum(widths), dtype=Z.dtype, device=Z.device)
-        groups = [tk.Group(P=M, Q=n, K=r, a_col=g * r, b_col=o, c_col=o) for g, (n, o) in enumerate(zip(widths, offsets))]
-        tk.grouped_mm(tk.Operand(Z, R, 1), tk.Operand(W, 1, r), tk.Operand(Y, Y.stride(0), 1), groups, call="up")
+        groups = [tk.Group(P=M, Q=n, K=r, a_col=g * r, b_col=o, c_col=o)
+                  for g, (n, o) in enumerate(zip(widths, offsets))]
+        tk.grouped_mm(tk.Operand(Z, R, 1), tk.Operand(W, 1, r), tk.Operand(Y, Y.stride(0), 1),
+                      groups, call="up")
         ctx.save_for_backward(Z, W)
         ctx.widths = widths
         return Y
@@ -293,8 +314,10 @@ def _up_dz(dY, W, widths):
     (M, n_all), r = dY.shape, W.shape[1]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
     dZ = torch.empty(M, r * len(widths), dtype=dY.dtype, device=dY.device)
-    groups = [tk.Group(P=M, Q=r, K=n, a_col=o, b_row=o, c_col=g * r) for g, (n, o) in enumerate(zip(widths, offsets))]
-    tk.grouped_mm(tk.Operand(dY, n_all, 1), tk.Operand(W, r, 1), tk.Operand(dZ, dZ.shape[1], 1), groups, call="dz")
+    groups = [tk.Group(P=M, Q=r, K=n, a_col=o, b_row=o, c_col=g * r)
+              for g, (n, o) in enumerate(zip(widths, offsets))]
+    tk.grouped_mm(tk.Operand(dY, n_all, 1), tk.Operand(W, r, 1), tk.Operand(dZ, dZ.shape[1], 1),
+                  groups, call="dz")
     return dZ
 
 
@@ -304,8 +327,10 @@ def _up_dW(dY, Z, r, widths):
     (M, n_all), R = dY.shape, Z.shape[1]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
     dW = torch.empty(n_all, r, dtype=Z.dtype, device=Z.device)
-    groups = [tk.Group(P=n, Q=r, K=M, a_row=o, b_col=g * r, c_row=o) for g, (n, o) in enumerate(zip(widths, offsets))]
-    tk.grouped_mm(tk.Operand(dY, 1, n_all), tk.Operand(Z, R, 1), tk.Operand(dW, r, 1), groups, call="dW")
+    groups = [tk.Group(P=n, Q=r, K=M, a_row=o, b_col=g * r, c_row=o)
+              for g, (n, o) in enumerate(zip(widths, offsets))]
+    tk.grouped_mm(tk.Operand(dY, 1, n_all), tk.Operand(Z, R, 1), tk.Operand(dW, r, 1), groups,
+                  call="dW")
     return dW
 
 
@@ -318,7 +343,8 @@ class RMSNormFn(torch.autograd.Function):
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(M, tk.rows()),)
         block = triton.next_power_of_2(N)
-        tk.rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=block, num_warps=tk.rms_warps(block))
+        tk.rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=block,
+                         num_warps=tk.rms_warps(block))
         ctx.save_for_backward(x, gamma, rstd)
         return y
 

@@ -40,8 +40,8 @@ def cross(z, h_prev, gate, weights, ln_w, ln_b):
     z, h = z.unflatten(-1, (G, r)), h_prev.unflatten(-1, (G, r))              # (b, s, G, r)
     if gate == "kron":
         D, E = weights
-        m = h.unflatten(-1, (D.shape[-1], E.shape[-1]))                       # (b, s, G, r1, r2) mat(h)
-        g = torch.einsum("...gij,gik,gjl->...gkl", m, D, E).flatten(-2)       # Dᵀ·mat(h)·E, (b, s, G, r)
+        m = h.unflatten(-1, (D.shape[-1], E.shape[-1]))  # (b, s, G, r1, r2) mat(h)
+        g = torch.einsum("...gij,gik,gjl->...gkl", m, D, E).flatten(-2)  # Dᵀ·mat(h)·E, (b, s, G, r)
     elif gate == "linear":
         W, bias = weights
         g = torch.einsum("...gi,goi->...go", h, W) + bias                     # (b, s, G, r)
@@ -77,7 +77,8 @@ class Crossing(nn.Module):
 def cross_group(crossings, z, h_prev):
     """`cross` with the parameters of several projections' Crossing modules stacked (G of them)."""
     weights = [torch.stack(ws) for ws in zip(*(c.weights() for c in crossings))]
-    return cross(z, h_prev, crossings[0].gate, weights, torch.stack([c.norm.weight for c in crossings]),
+    return cross(z, h_prev, crossings[0].gate, weights,
+                 torch.stack([c.norm.weight for c in crossings]),
                  torch.stack([c.norm.bias for c in crossings]))
 
 
@@ -94,8 +95,10 @@ def group_pieces(prefix, full, gate):
     cross (layer 0, or no LaX: `full`, the model's state, holds no such names)."""
     if prefix + "attn.q.cross.norm.weight" not in full:
         return []
-    return [(f"X_{group}_{param.replace('.', '_')}", [f"{prefix}{p}.cross.{param}" for p in projections])
-            for group, projections in GROUPS.items() for param in ("norm.weight", "norm.bias", *GATE_PARAMS[gate])]
+    return [(f"X_{group}_{param.replace('.', '_')}",
+             [f"{prefix}{p}.cross.{param}" for p in projections])
+            for group, projections in GROUPS.items()
+            for param in ("norm.weight", "norm.bias", *GATE_PARAMS[gate])]
 
 
 def cross_stacked(module, group, gate, z, h_prev):
@@ -105,4 +108,5 @@ def cross_stacked(module, group, gate, z, h_prev):
     def get(param):
         t = getattr(module, f"X_{group}_{param.replace('.', '_')}")
         return t.view(G, -1) if t.dim() == 1 else t.view(G, -1, t.shape[-1])   # (G, r) or (G, n, m)
-    return cross(z, h_prev, gate, [get(n) for n in GATE_PARAMS[gate]], get("norm.weight"), get("norm.bias"))
+    return cross(z, h_prev, gate, [get(n) for n in GATE_PARAMS[gate]], get("norm.weight"),
+                 get("norm.bias"))

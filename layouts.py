@@ -3,12 +3,13 @@
 BOOST (arXiv 2512.12131) sections 2-4. Notation: b batch, s sequence, d n_embd, f d_ff, kv the k/v
 width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
 
-  megatron  dense model. Column-parallel q/k/v and gate/up (heads and d_ff split), row-parallel o and
-            down, replicated residual. Forward: all-reduce d (attn) + d (MLP); backward the same.
-  vanilla   low-rank model, each A/B pair as its own Megatron MLP: A column-parallel over r, σ local,
-            B row-parallel + all-reduce of the full output; replicated residual, all heads on every
-            rank. Forward: d + 2kv (q, k, v) + d (o) + 2f (gate, up) + d (down); backward, one
-            all-reduce of each A's input gradient: 3d + d + 2d + f.
+  megatron  dense model. Column-parallel q/k/v and gate/up (heads and d_ff split), row-parallel o
+            and down, replicated residual. Forward: all-reduce d (attn) + d (MLP); backward the
+            same.
+  vanilla   low-rank model, each A/B pair as its own Megatron MLP: A column-parallel over r, σ
+            local, B row-parallel + all-reduce of the full output; replicated residual, all heads
+            on every rank. Forward: d + 2kv (q, k, v) + d (o) + 2f (gate, up) + d (down); backward,
+            one all-reduce of each A's input gradient: 3d + d + 2d + f.
   btp       bottleneck-aware TP: the residual stream sharded along d. Every bottleneck is a
             row-parallel A (partial r-vector), one all-reduce of the latent, σ, column-parallel B.
             RMSNorm is online (the sum of squares rides in the q/k/v and gate/up all-reduces), the
@@ -38,39 +39,16 @@ from checkpointing import run_layers
 from model import Llama, causal_attention, gated_product, latent_act
 from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
-from sharding import Sharded
+from sharding import Sharded, check_divisible
 
-LAYOUTS = ("btp", "vanilla", "megatron")
-
-
-def check_divisible(cfg, tp, layout, pp=1):
-    """A clear ValueError when the TP degree cannot split this model under this layout, or the
-    pipeline degree its layers."""
-    if cfg.n_layer % pp:
-        raise ValueError(f"n_layer={cfg.n_layer} cannot be split into pp={pp} equal stages")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout} is not one of {', '.join(LAYOUTS)}")
-    if layout == "megatron" and cfg.lowrank:
-        raise ValueError(f"layout=megatron is the dense baseline; arch={cfg.arch} uses btp or "
-                         "vanilla")
-    if layout != "megatron" and not cfg.lowrank:
-        raise ValueError(f"layout={layout} splits bottlenecks; arch=full uses layout=megatron")
-    splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank) if layout == "vanilla" else \
-        dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
-    for name, value in splits.items():
-        if value % tp:
-            raise ValueError(f"tp={tp} does not divide {name}={value} (layout={layout})")
-    if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
-        raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the tokenizer's, "
-                         "padded to a multiple of 64): use a tp that divides 64")
 
 
 def traced(chunk):
-    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`; when no
-    profiler runs it costs one check (layouts.py's chunks)."""
+    """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`;
+    when no profiler runs it costs one check (layouts.py's chunks)."""
     @functools.wraps(chunk)
     def run(block, *args):
-        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no graph break)
+        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no break)
             return chunk(block, *args)
         with record_function(f"{block.label}: {chunk.__name__}"):
             return chunk(block, *args)
@@ -85,14 +63,16 @@ class Traffic(NamedTuple):
 
 
 def per_layer_traffic(layout, cfg):
-    """The volumes of this module's docstring, written down once (tested equal to the ledger's count;
-    tools/bench.py and tools/costmodel.py use them). cfg: n_embd, mlp_width, kv_dim and the ranks."""
+    """The volumes of this module's docstring, written down once (tested equal to the ledger's
+    count; tools/bench.py and tools/costmodel.py use them). cfg: n_embd, mlp_width, kv_dim and the
+    ranks."""
     d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
     if layout == "btp":      # q/k/v latents + Σx², o, gate/up + Σx², down; backward their gradients
         return Traffic((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm, 4 + 4)
     if layout == "vanilla":  # every B's whole output; backward every A's input gradient
-        lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0   # LaX: a crossing layer's latents
-        return Traffic(d + 2 * kv + d + 2 * f + d + lx, 3 * d + d + 2 * d + f + lx, 7 + 7 + (8 if lx else 0))
+        lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0   # LaX: a crossing layer's
+        return Traffic(d + 2 * kv + d + 2 * f + d + lx, 3 * d + d + 2 * d + f + lx,
+                       7 + 7 + (8 if lx else 0))
     return Traffic(2 * d, 2 * d, 2 + 2)   # megatron: after attention and after the MLP
 
 
@@ -103,13 +83,15 @@ class BTPBlock(Sharded):
         super().__init__(tp, full)
         self.cfg, self.act = cfg, latent_act(cfg.arch)
         self.shard("attn_norm", [prefix + "attn_norm.weight"], 0)
-        self.shard("A_qkv", [prefix + f"attn.{n}.A.weight" for n in "qkv"], 1)  # (3r, d/t): one GEMM
+        self.shard("A_qkv", [prefix + f"attn.{n}.A.weight"
+                             for n in "qkv"], 1)  # (3r, d/t): one GEMM
         for n in "qkv":
             self.shard(f"B_{n}", [prefix + f"attn.{n}.B.weight"], 0)            # (heads/t·hd, r)
         self.shard("A_o", [prefix + "attn.o.A.weight"], 1)                      # (r, d/t)
         self.shard("B_o", [prefix + "attn.o.B.weight"], 0)                      # (d/t, r)
         self.shard("mlp_norm", [prefix + "mlp_norm.weight"], 0)
-        self.shard("A_gu", [prefix + "mlp.gate.A.weight", prefix + "mlp.up.A.weight"], 1)  # (2r, d/t)
+        self.shard("A_gu", [prefix + "mlp.gate.A.weight",
+                            prefix + "mlp.up.A.weight"], 1)  # (2r, d/t)
         self.shard("B_gate", [prefix + "mlp.gate.B.weight"], 0)                 # (f/t, r)
         self.shard("B_up", [prefix + "mlp.up.B.weight"], 0)
         self.shard("A_down", [prefix + "mlp.down.A.weight"], 1)                 # (r, f/t)
@@ -118,12 +100,13 @@ class BTPBlock(Sharded):
 
     def forward(self, x, cos, sin, prev=None):
         """One layer: five chunks, and between them the layer's only four collectives, each an
-        all-reduce of an r-wide latent (checkpointing.run_layers runs the same chunks with recompute).
-        prev, and what it returns beside x under LaX: the latents of q|k|v, o, gate|up, down."""
+        all-reduce of an r-wide latent (checkpointing.run_layers runs the same chunks with
+        recompute). prev, and what it returns beside x under LaX: the latents of q|k|v, o, gate|up,
+        down."""
         p = prev or (None,) * 4
-        HS = self.reduce(self.qkv_down(x))                          # (b, s, 3r+1) q, k, v latents + Σx²
+        HS = self.reduce(self.qkv_down(x))  # (b, s, 3r+1) q, k, v latents + Σx²
         partial, h_qkv = self.attn_chunk(HS, cos, sin, p[0])
-        x, HS, h_o = self.o_chunk(self.reduce(partial), x, p[1])    # (b, s, d/t), (b, s, 2r+1) partial
+        x, HS, h_o = self.o_chunk(self.reduce(partial), x, p[1])    # (b, s, d/t), (b, s, 2r+1)
         partial, h_gu = self.mlp_chunk(self.reduce(HS), p[2])
         x, h_down = self.down_chunk(self.reduce(partial), x, p[3])  # (b, s, d/t)
         return x, ((h_qkv, h_o, h_gu, h_down) if self.lax else None)
@@ -131,10 +114,11 @@ class BTPBlock(Sharded):
     # The chunks. Each starts from a replicated latent after its all-reduce and ends with the local
     # partial product of the next A, before its all-reduce; so recomputing one issues no collective.
     def norm_down(self, x, gamma, A):
-        """The local half of σ(RMSNorm(x)·Aᵀ): the partial [H | S] to all-reduce (online RMSNorm, §3)."""
+        """The local half of σ(RMSNorm(x)·Aᵀ): the partial [H | S] to all-reduce (online RMSNorm,
+        §3)."""
         H, S = kernels.norm_down(x, gamma, A)            # (b, s, n), (b, s, 1)
-        # the statistic travels in the latents' dtype (bf16 under autocast, like every TP all-reduce):
-        # its rounding is below that of the bf16 output it normalises
+        # the statistic travels in the latents' dtype (bf16 under autocast, like every TP
+        # all-reduce): its rounding is below that of the bf16 output it normalises
         return torch.cat([H, S.to(H.dtype)], -1)         # (b, s, n+1)
 
     def reduce(self, partial):
@@ -143,11 +127,12 @@ class BTPBlock(Sharded):
 
     def latent(self, HS):
         """RMSNorm(x)·Aᵀ from the all-reduced [H | S], replicated (σ comes in `emit`)."""
-        return HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd + self.cfg.norm_eps)  # (b, s, n)
+        return HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd
+                                          + self.cfg.norm_eps)   # (b, s, n)
 
     def emit(self, z, p, group):
-        """(h for the Bs, h for the next layer under LaX, else None): σ(z), or under LaX from layer 1
-        on σ(LayerNorm(z + G(p))); z is whole here, so the crossing is local."""
+        """(h for the Bs, h for the next layer under LaX, else None): σ(z), or under LaX from layer
+        1 on σ(LayerNorm(z + G(p))); z is whole here, so the crossing is local."""
         h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, z, p) if self.crosses else z)
         return h, (h if self.lax else None)
 
@@ -158,7 +143,7 @@ class BTPBlock(Sharded):
 
     @traced
     def qkv_down(self, x):
-        return self.norm_down(x, self.attn_norm, self.A_qkv)                    # (b, s, 3r+1) partial
+        return self.norm_down(x, self.attn_norm, self.A_qkv)  # (b, s, 3r+1) partial
 
     @traced
     def attn_chunk(self, HS, cos, sin, p=None):
@@ -172,7 +157,7 @@ class BTPBlock(Sharded):
     def o_chunk(self, u, x, p=None):
         h, out = self.emit(u, p, "o")                                            # (b, s, r)
         x = x + self.up(h, [self.B_o])[0]                                        # (b, s, d/t)
-        return x, self.norm_down(x, self.mlp_norm, self.A_gu), out              # (b, s, 2r+1) partial
+        return x, self.norm_down(x, self.mlp_norm, self.A_gu), out  # (b, s, 2r+1) partial
 
     @traced
     def mlp_chunk(self, HS, p=None):
@@ -201,8 +186,8 @@ class VanillaBlock(Sharded):
             self.shard(f"{key}_B", [prefix + name + ".B.weight"], 1)    # (d_out, r/t)
         self.shard_crossings(cfg, prefix)
 
-    # One layer: BTP's chunks, but the latents are local r/t slices (reduce: nothing to sum) and each
-    # of the seven B's ends in an all-reduce of its whole output (d, kv or f wide) inside its chunk.
+    # One layer: BTP's chunks, but the latents are local r/t slices (reduce: nothing to sum) and
+    # each of the seven B's ends in an all-reduce of its whole output (d, kv or f) in its chunk.
     forward = BTPBlock.forward
 
     # The chunks, with BTP's boundaries (checkpointing.run_layers recomputes them one by one).
@@ -210,28 +195,30 @@ class VanillaBlock(Sharded):
         return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
 
     def emit(self, z, p, group):
-        """(h for the row-parallel Bs: this rank's r/t slices, h for the next layer). Without LaX σ(z)
-        and nothing. LaX's crossing reads whole latents: a crossing layer all-gathers z (backward:
-        its slice of the whole gradient), crosses it on every rank alike, and hands its slices to the
-        Bs through Copy (backward: the all-reduce that makes the Bs' slice gradients whole); layer 0
-        gathers σ(z) for layer 1. The whole latent goes on to the next layer."""
+        """(h for the row-parallel Bs: this rank's r/t slices, h for the next layer). Without LaX
+        σ(z) and nothing. LaX's crossing reads whole latents: a crossing layer all-gathers z
+        (backward: its slice of the whole gradient), crosses it on every rank alike, and hands its
+        slices to the Bs through Copy (backward: the all-reduce that makes the Bs' slice gradients
+        whole); layer 0 gathers σ(z) for layer 1. The whole latent goes on to the next layer."""
         if not self.lax:
             return self.act(z), None
         G, t, i = len(lax.GROUPS[group]), self.tp.size, self.tp.tp_rank
 
         def whole(slices):   # (b, s, G·r/t) on each rank -> (b, s, G·r), projection by projection
-            return Gather.apply(slices, self.tp.group).unflatten(-1, (t, G, -1)).transpose(-3, -2).flatten(-3)
+            gathered = Gather.apply(slices, self.tp.group)               # (b, s, t·G·r/t)
+            return gathered.unflatten(-1, (t, G, -1)).transpose(-3, -2).flatten(-3)
         if not self.crosses:
             h = self.act(z)                                                       # (b, s, G·r/t)
             return h, whole(h)
         h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, whole(z), p))  # (b, s, G·r)
         mine = Copy.apply(h, self.tp.group).unflatten(-1, (G, t, -1))[..., i, :].flatten(-2)
-        return mine, h                                                            # (b, s, G·r/t), (b, s, G·r)
+        return mine, h  # (b, s, G·r/t), (b, s, G·r)
 
     def down(self, h, *keys):
         """Each column-parallel A after its own Copy (one backward all-reduce per A, as in the
         paper's vanilla TP): this rank's r/t latent slices, concatenated."""
-        return torch.cat([column_parallel(h, [getattr(self, k + "_A")], self.tp)[0] for k in keys], -1)
+        return torch.cat([column_parallel(h, [getattr(self, k + "_A")], self.tp)[0]
+                          for k in keys], -1)
 
     def up(self, h, key):
         """The row-parallel B of a latent slice h, all-reduce of the full d_out."""
@@ -248,7 +235,7 @@ class VanillaBlock(Sharded):
         h, out = self.emit(z, p, "qkv")                                           # (b, s, 3r/t)
         hq, hk, hv = h.split(cfg.attn_rank // self.tp.size, -1)
         y = causal_attention(self.up(hq, "attn_q"), self.up(hk, "attn_k"), self.up(hv, "attn_v"),
-                             cfg.n_head, cfg.n_kv_head, cos, sin)                 # all heads, (b, s, d)
+                             cfg.n_head, cfg.n_kv_head, cos, sin)  # all heads, (b, s, d)
         return self.down(y, "attn_o"), out                                        # (b, s, r/t)
 
     @traced
@@ -262,7 +249,8 @@ class VanillaBlock(Sharded):
     def mlp_chunk(self, z, p=None):
         h, out = self.emit(z, p, "gu")                                            # (b, s, 2r/t)
         hg, hu = h.split(self.cfg.mlp_rank // self.tp.size, -1)
-        a = gated_product(self.cfg.mlp_gate, self.up(hg, "mlp_gate"), self.up(hu, "mlp_up"))  # (b, s, f)
+        a = gated_product(self.cfg.mlp_gate, self.up(hg, "mlp_gate"),
+                          self.up(hu, "mlp_up"))  # (b, s, f)
         return self.down(a, "mlp_down"), out                                      # (b, s, r/t)
 
     @traced
@@ -295,7 +283,8 @@ class MegatronBlock(Sharded):
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
         h = kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps)
-        a = gated_product(cfg.mlp_gate, *column_parallel(h, [self.W_gate, self.W_up], self.tp))  # (b, s, f/t)
+        gate, up = column_parallel(h, [self.W_gate, self.W_up], self.tp)
+        a = gated_product(cfg.mlp_gate, gate, up)                                      # (b, s, f/t)
         return x + Reduce.apply(a @ self.W_down.t(), g), None                         # (b, s, d)
 
 
@@ -321,10 +310,12 @@ class TPLlama(Sharded):
         self.first, self.last, self.pipelined = stage == 0, stage == stages - 1, stages > 1
         per_stage = model.cfg.n_layer // stages
         self.tied = model.cfg.tie_embeddings
-        if self.tied and (self.first or self.last):  # whole on every TP rank (and on the first and last
-            self.shard("tok_emb", ["tok_emb.weight"], None)  # stage): the two uses take other slices, (V, d)
+        if self.tied and (self.first or self.last):   # whole on every TP rank (and on the first
+            self.shard("tok_emb", ["tok_emb.weight"], None)  # and last stage), (V, d): the two
+            # uses take other slices of it
         elif self.first:
-            self.shard("tok_emb", ["tok_emb.weight"], 1 if layout == "btp" else None)  # (V, d/t) or (V, d)
+            self.shard("tok_emb", ["tok_emb.weight"],
+                       1 if layout == "btp" else None)  # (V, d/t) or (V, d)
         self.layers = nn.ModuleList((block or BLOCKS[layout])(model.cfg, tp, full, f"layers.{i}.")
                                     for i in range(stage * per_stage, (stage + 1) * per_stage))
         for i, layer in enumerate(self.layers, stage * per_stage):
@@ -344,7 +335,8 @@ class TPLlama(Sharded):
             return self.tok_emb
         if self.layout == "btp":
             return self.tok_emb.chunk(self.tp.size, 1)[self.tp.tp_rank]
-        # replicated use: every TP rank gets the same gradient, so one rank's counts (reduce_tied_grad)
+        # replicated use: every TP rank gets the same gradient, so one rank's counts (in
+        # reduce_tied_grad)
         return self.tok_emb if self.tp.tp_rank == 0 else self.tok_emb.detach()
 
     def head(self):
@@ -352,10 +344,13 @@ class TPLlama(Sharded):
         return self.tok_emb.chunk(self.tp.size, 0)[self.tp.tp_rank] if self.tied else self.lm_head
 
     def reduce_tied_grad(self):
-        """With tied embeddings: each TP rank holds the gradient of the slices it used (the embedding's
-        d/t columns under btp, the head's V/t rows): their sum over TP is the single-device gradient."""
-        if self.tied and getattr(self, "tok_emb", None) is not None and self.tok_emb.grad is not None:
-            g = self.tok_emb.grad   # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
+        """With tied embeddings: each TP rank holds the gradient of the slices it used (the
+        embedding's d/t columns under btp, the head's V/t rows): their sum over TP is the
+        single-device gradient."""
+        held = getattr(self, "tok_emb", None)
+        if self.tied and held is not None and held.grad is not None:
+            # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
+            g = self.tok_emb.grad
             summed = all_reduce(dp_shard.local(g), self.tp.group, "grad")
             if not dp_shard.is_sharded(g):   # (a shard is summed in place)
                 self.tok_emb.grad = summed
@@ -363,9 +358,9 @@ class TPLlama(Sharded):
     def forward(self, x, targets=None):
         g = self.tp.group
         if self.first:
-            x, lat = F.embedding(x, self.embedding()), None         # (b, s, d/t) btp, else (b, s, d)
+            x, lat = F.embedding(x, self.embedding()), None  # (b, s, d/t) btp, else (b, s, d)
         else:
-            x, lat = self.unpack(x)                                 # from the previous pipeline stage
+            x, lat = self.unpack(x)  # from the previous pipeline stage
         x, lat = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute, lat)
         if not self.last:
             return torch.cat([x, *lat], -1) if lat else x          # to the next pipeline stage
@@ -383,11 +378,13 @@ class TPLlama(Sharded):
 
     def unpack(self, x):
         """A stage's input: the residual stream and, under LaX, the previous layer's latents of
-        q|k|v, o, gate|up, down, whole, riding beside it in one tensor (b, s, d_local + 4ra + 3rm)."""
+        q|k|v, o, gate|up, down, whole, riding beside it in one tensor (b, s, d_local + 4ra +
+        3rm)."""
         if not self.cfg.lax:
             return x, None
         c = self.cfg
-        x, *lat = x.split([x.shape[-1] - 4 * c.attn_rank - 3 * c.mlp_rank, 3 * c.attn_rank, c.attn_rank,
+        x, *lat = x.split([x.shape[-1] - 4 * c.attn_rank - 3 * c.mlp_rank, 3 * c.attn_rank,
+                           c.attn_rank,
                            2 * c.mlp_rank, c.mlp_rank], -1)
         return x, lat
 

@@ -48,7 +48,8 @@ class Config:
     vocab_size: int = 320    # set from the tokeniser by train.py (padded to a multiple of 64)
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    mlp_gate: str = "auto"   # auto (silu for full and svd, none for cola) | silu: down(silu(gate)·up) | none: down(gate·up)
+    # auto (silu for full and svd, none for cola) | silu: down(silu(gate)·up) | none: down(gate·up)
+    mlp_gate: str = "auto"
     tie_embeddings: bool = False  # one matrix for the token embedding and the LM head
     lax: bool = False        # LaX's latent crossing between consecutive layers' bottlenecks
     lax_gate: str = "kron"   # kron | linear | identity: the gate G on the previous layer's latent
@@ -168,7 +169,8 @@ def apply_rope(x, cos, sin):
 
 
 def causal_attention(q, k, v, n_head, n_kv_head, cos, sin):
-    """Multi-head causal attention with RoPE and GQA on projected q (b, s, h·hd), k, v (b, s, kvh·hd).
+    """Multi-head causal attention with RoPE and GQA on projected q (b, s, h·hd), k, v (b, s,
+    kvh·hd).
 
     Head counts are arguments so tensor-parallel layouts call it with their local heads."""
     b, s, _ = q.shape
@@ -198,7 +200,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, prev=(None,) * 4):
         """(output, the latents of q, k, v, o); prev: the previous layer's (LaX)."""
-        (q, hq), (k, hk), (v, hv) = (project(p, x, h) for p, h in zip((self.q, self.k, self.v), prev))
+        (q, hq), (k, hk), (v, hv) = (project(p, x, h)
+                                     for p, h in zip((self.q, self.k, self.v), prev))
         y = causal_attention(q, k, v, self.cfg.n_head, self.cfg.n_kv_head, cos, sin)  # (b, s, d)
         out, ho = project(self.o, y, prev[3])                                         # (b, s, d)
         return out, (hq, hk, hv, ho)
@@ -216,7 +219,8 @@ class MLP(nn.Module):
     def forward(self, x, prev=(None,) * 3):
         """(output, the latents of gate, up, down); prev: the previous layer's (LaX)."""
         (g, hg), (u, hu) = project(self.gate, x, prev[0]), project(self.up, x, prev[1])
-        out, hd = project(self.down, gated_product(self.mlp_gate, g, u), prev[2])  # (b, s, d_ff) -> (b, s, d)
+        out, hd = project(self.down, gated_product(self.mlp_gate, g, u),
+                          prev[2])  # (b, s, d_ff) -> (b, s, d)
         return out, (hg, hu, hd)
 
 
@@ -257,17 +261,19 @@ class Llama(nn.Module):
         nn.init.normal_(self.tok_emb.weight, std=0.02)
         nn.init.normal_(self.lm_head.weight, std=0.02)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight   # one parameter, two uses: their gradients add
+            # one parameter, two uses: their gradients add
+            self.lm_head.weight = self.tok_emb.weight
         cos, sin = rope_table(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, idx, targets=None):
-        """idx (b, s) token ids -> (logits, loss); without targets only the last position's logits."""
+        """idx (b, s) token ids -> (logits, loss); without targets only the last position's
+        logits."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} is longer than "
                              f"block_size={self.cfg.block_size}")
-        x, lat = self.tok_emb(idx), None                 # (b, s, d); LaX: the latents between layers
+        x, lat = self.tok_emb(idx), None  # (b, s, d); LaX: the latents between layers
         for layer in self.layers:
             x, lat = layer(x, self.rope_cos, self.rope_sin, lat)   # (b, s, d)
         x = self.norm(x)

@@ -1,11 +1,11 @@
 """parallel.py: process groups, the tensor-parallel collectives and the communication ledger.
 
 BOOST (arXiv 2512.12131) sections 2 and 6. The collectives are Megatron's pair f/g (Copy, Reduce)
-plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entropy), each an autograd
-Function with an explicit group; CopyUp is f fused with the GEMMs after it, so that backward overlaps
-its all-reduce with the weight gradients (--overlap). Every collective records its op, group, phase
-and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it with the formulas and
-plumbing/explain.py prints it in order.
+plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entropy), each an
+autograd Function with an explicit group; CopyUp is f fused with the GEMMs after it, so that
+backward overlaps its all-reduce with the weight gradients (--overlap). Every collective records
+its op, group, phase and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it
+with the formulas and plumbing/explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 """
 from collections import defaultdict
@@ -21,15 +21,17 @@ import kernels
 # ------------------------------------------------------------------------------------ the ledger
 
 class Ledger:
-    """Every collective records (op, group, phase) -> [elements, bytes, calls]; train.py and tools/bench.py
-    read it.
+    """Every collective records (op, group, phase) -> [elements, bytes, calls]; train.py and
+    tools/bench.py read it.
 
     Elements are those of the collective's result (b·s·n for an all-reduce of n features per token,
-    b·s·d for the all-gather of d). Phases: fwd, bwd, and grad (the data-parallel gradient all-reduce)."""
+    b·s·d for the all-gather of d). Phases: fwd, bwd, and grad (the data-parallel gradient
+    all-reduce)."""
 
     def __init__(self):
         self.names, self.counts = {}, defaultdict(lambda: [0, 0, 0])
-        self.listener = None  # plumbing/explain.py's: called with (op, group name, phase, tensor) in order
+        # plumbing/explain.py's: called with (op, group name, phase, tensor) in order
+        self.listener = None
 
     def name(self, group, name):
         self.names[id(group)] = name
@@ -55,8 +57,8 @@ class Ledger:
 LEDGER = Ledger()
 
 
-# tools/bench.py's lower bound: True skips every collective (the ledger still counts them), so a step
-# costs only its computation. Its results are wrong on purpose; no training option sets it.
+# tools/bench.py's lower bound: True skips every collective (the ledger still counts them), so a
+# step costs only its computation. Its results are wrong on purpose; no training option sets it.
 NO_COMM = False
 
 
@@ -75,7 +77,8 @@ def all_reduce(x, group, phase, op=dist.ReduceOp.SUM, async_op=False):
     (x, work): the sum lands in x after work.wait(), and the caller computes in the meantime.
     Profiler traces (--profile) show it as `all_reduce <group> <phase> <elements>`."""
     if group_size(group) == 1:
-        return (x, _Pending(None, "")) if async_op else x  # a TP "group" of one (pipelining without TP)
+        # a TP "group" of one (pipelining without TP)
+        return (x, _Pending(None, "")) if async_op else x
     x = x.contiguous()
     LEDGER.record("all_reduce", group, x, phase)
     label = f"all_reduce {LEDGER.names.get(id(group), '?')} {phase} {x.numel()}"
@@ -100,14 +103,16 @@ def all_gather_last(x, group, phase):
     """The tensors of the group's ranks concatenated along the last dim (no autograd)."""
     if group_size(group) == 1:
         # not even a local gloo all_gather: its copies start a second OpenMP team on gloo's thread,
-        # and with more OpenMP threads than cores every later op of this process runs up to 3x slower
+        # and with more OpenMP threads than cores every later op of this process runs up to 3x
+        # slower
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     if NO_COMM:
         parts = [x] * len(parts)
     else:
-        with record_function(f"all_gather {LEDGER.names.get(id(group), '?')} {phase} {x.numel() * len(parts)}"):
+        name = LEDGER.names.get(id(group), "?")
+        with record_function(f"all_gather {name} {phase} {x.numel() * len(parts)}"):
             dist.all_gather(parts, x, group=group)
     out = torch.cat(parts, dim=-1)
     LEDGER.record("all_gather", group, out, phase)

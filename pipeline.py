@@ -47,7 +47,8 @@ class Pipeline:
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
-        x_in, out = self.shapes  # (the schedule may run an extra forward to infer shapes: not counted)
+        # (the schedule may run an extra forward to infer shapes: not counted)
+        x_in, out = self.shapes
         for _ in range(self.n_micro):
             if not self.last:            # the activation to the next stage
                 LEDGER.record("send", self.pp_group, out, "fwd")

@@ -5,13 +5,14 @@ Not part of the BOOST paper (arXiv 2512.12131); what a pretraining run needs bef
     python prepare.py --dataset=path/to/corpus --tokenizer=gpt2 [--data_dir=data --num_proc=N
                       --val_fraction=0.1 --text_field=text]
 
-plumbing/corpus.py reads the corpus (text, JSON Lines, their .gz; a file or a folder) as a stream of pieces of
-about 16 KiB, which `num_proc` worker processes tokenise in chunks; the tokens are appended to the
-split files as they come, so memory does not grow with the corpus, and the tokens do not depend on
-the number of workers. A document goes to the validation split when a hash of its index falls
-below `val_fraction` (so a folder sorted by kind does not put one kind into val; a document longer
-than UNIT pieces goes in units of UNIT pieces), the first document always; a corpus that is one
-text file has no documents to split by, so there the pieces are split the same way. <|endoftext|> follows every document.
+plumbing/corpus.py reads the corpus (text, JSON Lines, their .gz; a file or a folder) as a stream
+of pieces of about 16 KiB, which `num_proc` worker processes tokenise in chunks; the tokens are
+appended to the split files as they come, so memory does not grow with the corpus, and the tokens
+do not depend on the number of workers. A document goes to the validation split when a hash of its
+index falls below `val_fraction` (so a folder sorted by kind does not put one kind into val; a
+document longer than UNIT pieces goes in units of UNIT pieces), the first document always; a corpus
+that is one text file has no documents to split by, so there the pieces are split the same way.
+<|endoftext|> follows every document.
 
 Nothing is lost in silence: invalid UTF-8 bytes are replaced and counted, malformed JSON lines and
 binary files (a NUL byte in the first 8 KiB) are skipped and counted; the summary line names the
@@ -33,12 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from plumbing import corpus
-from plumbing import data
+from plumbing import corpus, data
 from plumbing.tokenizer import continued, identity as tokenizer_identity, load as load_tokenizer
 
-UNIT = 16                    # pieces (256 KiB to 1 MiB): a longer document is split in units of this many
-FORMAT = 5                   # bumped when the same source would give other token files (5: "▁" once a document)
+UNIT = 16  # pieces (256 KiB to 1 MiB): a longer document is split in units of this many
+FORMAT = 5  # bumped when the same source would give other token files (5: "▁" once a document)
 PROGRESS_S = 5.0             # seconds between progress lines
 
 
@@ -66,13 +66,15 @@ def check_preparation(dataset, data_dir, num_proc, val_fraction):
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be above 0 and below 1")
     if dataset != data.EMBEDDED:
-        corpus.check_packages(corpus.source_files(dataset))   # pyarrow for .parquet, zstandard for .zst
+        # pyarrow for .parquet, zstandard for .zst
+        corpus.check_packages(corpus.source_files(dataset))
 
 
 def prepared_dir(dataset, tokenizer, data_dir):
-    """<data_dir>/<name>-<hash of its path>-<tokenizer's identity>: one folder per source and tokenizer."""
-    name = data.EMBEDDED if dataset == data.EMBEDDED else \
-        f"{Path(dataset).name}-{hashlib.sha1(str(Path(dataset).resolve()).encode()).hexdigest()[:8]}"
+    """<data_dir>/<name>-<hash of its path>-<tokenizer's identity>: one folder per source and
+    tokenizer."""
+    where = hashlib.sha1(str(Path(dataset).resolve()).encode()).hexdigest()[:8]
+    name = data.EMBEDDED if dataset == data.EMBEDDED else f"{Path(dataset).name}-{where}"
     return Path(data_dir) / f"{name}-{tokenizer_identity(tokenizer)}"
 
 
@@ -103,13 +105,15 @@ def tokenize(task):
     None)."""
     (fraction, field, by_piece), items = task
     typecode = "H" if token_dtype(_enc.n_vocab) == np.uint16 else "I"
-    train, val = array.array(typecode), array.array(typecode)   # 2 or 4 bytes a token, not a Python int
+    # 2 or 4 bytes a token, not a Python int
+    train, val = array.array(typecode), array.array(typecode)
     stats = {"docs": 0, "bad_bytes": 0, "bad_files": [], "bad_lines": 0, "first_bad_line": None,
              "train_units": 0, "val_units": 0}
     _bad[0] = 0
 
     def emit(doc, k, blob, last):
-        encode = continued(_enc) if k else _enc.encode_ordinary   # a later piece of a document: no "▁" again
+        # a later piece of a document: no "▁" again
+        encode = continued(_enc) if k else _enc.encode_ordinary
         ids = encode(blob.decode("utf-8", "boost_count"))
         if last:
             ids.append(_enc.eot_token)
@@ -166,7 +170,8 @@ def _results(tasks, tokenizer, num_proc):
         yield from map(tokenize, tasks)
         return
     import multiprocessing as mp
-    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker,
+                                      initargs=(tokenizer,)) as pool:
         flying = deque()
         for task in tasks:
             flying.append(pool.apply_async(tokenize, (task,)))
@@ -179,7 +184,8 @@ def _results(tasks, tokenizer, num_proc):
 # ------------------------------------------------------------------------ preparing, once
 
 def fingerprint(dataset, fraction, field):
-    """Changes when the source (names, sizes, modification times) or the preparation's options do."""
+    """Changes when the source (names, sizes, modification times) or the preparation's options
+    do."""
     h = hashlib.sha1(f"{FORMAT}\0{fraction}\0{field}\0".encode())
     if dataset == data.EMBEDDED:
         h.update(sys.version.encode())
@@ -204,20 +210,24 @@ def ready(out, fp, log=None):
         size = (out / f"{split}.bin").stat().st_size if (out / f"{split}.bin").exists() else None
         if size != want:
             if log:
-                log(f"data: {out / (split + '.bin')} has {size} bytes, meta.json says {want}: preparing again")
+                log(f"data: {out / (split + '.bin')} has {size} bytes, meta.json says {want}: "
+                    f"preparing again")
                 (out / "meta.json").unlink()
             return None
     for split in ("train", "val"):   # the same size is not the same tokens: their checksum
         if data.crc32(out / f"{split}.bin") != meta.get(f"{split}_crc32"):
             if log:
-                log(f"data: {out / (split + '.bin')} fails its checksum (changed since it was prepared): preparing again")
+                log(f"data: {out / (split + '.bin')} fails its checksum (changed since it was "
+                    f"prepared): preparing again")
                 (out / "meta.json").unlink()
             return None
     return meta
 
 
-def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_field="text", log=print):
-    """Tokenise `dataset` into <data_dir>/<name>-<tokenizer>/ unless already prepared; return the folder."""
+def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_field="text",
+            log=print):
+    """Tokenise `dataset` into <data_dir>/<name>-<tokenizer>/ unless already prepared; return the
+    folder."""
     check_preparation(dataset, data_dir, num_proc, val_fraction)
     out = prepared_dir(dataset, tokenizer, data_dir)
     fp = fingerprint(dataset, val_fraction, text_field)
@@ -233,27 +243,32 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
         if ready(out, fp, log):
             return out
         if (out / "meta.json").exists():
-            log(f"data: {dataset} or the preparation's options changed since it was prepared, preparing again")
+            log(f"data: {dataset} or the preparation's options changed since it was prepared, "
+                f"preparing again")
         (out / "meta.json").unlink(missing_ok=True)   # meta.json goes first and comes back last
-        for stale in out.glob("*.tmp"):   # left by a preparation that was killed: never read, removed
+        # left by a preparation that was killed: never read, removed
+        for stale in out.glob("*.tmp"):
             stale.unlink()
         enc = load_tokenizer(tokenizer)
         tmp = {s: out / f"{s}.bin.{os.getpid()}.tmp" for s in ("train", "val")}
         try:
             cpus = len(os.sched_getaffinity(0))   # 0: every CPU this process may use; never more
             if num_proc > cpus:
-                log(f"data: num_proc={num_proc} is more than the {cpus} CPUs this process may use: using {cpus}")
+                log(f"data: num_proc={num_proc} is more than the {cpus} CPUs this process may use: "
+                    f"using {cpus}")
             workers = min(num_proc, cpus) or cpus
             meta = _write(dataset, tokenizer, out, tmp, workers, val_fraction, text_field, enc, log)
         except OSError as e:   # a full disk, most often: nothing half-written is left behind
             free = shutil.disk_usage(out).free / 1e6
-            raise ValueError(f"cannot write the token files in {out} ({e.strerror or e}; {free:,.0f} MB free there); "
+            raise ValueError(f"cannot write the token files in {out} ({e.strerror or e}; "
+                             f"{free:,.0f} MB free there); "
                              "nothing was kept") from None
         finally:
             for t in tmp.values():
                 t.unlink(missing_ok=True)
         meta.update(source=str(dataset), tokenizer=tokenizer_identity(tokenizer),
-                    tokenizer_path=tokenizer, vocab_size=enc.n_vocab, fingerprint=fp, val_fraction=val_fraction,
+                    tokenizer_path=tokenizer, vocab_size=enc.n_vocab, fingerprint=fp,
+                    val_fraction=val_fraction,
                     text_field=text_field)
         (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1))
         os.replace(out / "meta.json.tmp", out / "meta.json")
@@ -261,11 +276,12 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
 
 
 def prepare_once(dataset, tokenizer, data_dir, num_proc, val_fraction, text_field, log=print):
-    """prepare() on global rank 0; the other ranks wait for its published meta.json (no collective, so
-    no process-group timeout: call this before the process group starts)."""
+    """prepare() on global rank 0; the other ranks wait for its published meta.json (no collective,
+    so no process-group timeout: call this before the process group starts)."""
     if int(os.environ.get("RANK", "0")) == 0:
         return prepare(dataset, tokenizer, data_dir, num_proc, val_fraction, text_field, log)
-    out, fp = prepared_dir(dataset, tokenizer, data_dir), fingerprint(dataset, val_fraction, text_field)
+    out = prepared_dir(dataset, tokenizer, data_dir)
+    fp = fingerprint(dataset, val_fraction, text_field)
     while not ready(out, fp):
         time.sleep(0.5)
     return out
@@ -274,7 +290,8 @@ def prepare_once(dataset, tokenizer, data_dir, num_proc, val_fraction, text_fiel
 def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     """Stream the corpus through the workers into the temporary split files, then publish them."""
     reader, t0, last = corpus.Reader(dataset, (fraction, field)), time.time(), time.time()
-    n = {"train": 0, "val": 0, "train_units": 0, "val_units": 0, "docs": 0, "bad_bytes": 0, "bad_lines": 0}
+    n = {"train": 0, "val": 0, "train_units": 0, "val_units": 0, "docs": 0, "bad_bytes": 0,
+         "bad_lines": 0}
     first, bad_files, max_id = {}, set(), 0
     with open(tmp["train"], "wb") as f_train, open(tmp["val"], "wb") as f_val:
         for train, val, stats in _results(reader.tasks(), tokenizer, num_proc):
@@ -292,7 +309,8 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
             if time.time() - last > PROGRESS_S and reader.total_bytes:
                 last, done = time.time(), reader.read_bytes
                 rate = done / (last - t0)
-                log(f"data: {done / 1e9:.2f}/{reader.total_bytes / 1e9:.2f} GB read, {n['docs']:,} documents, "
+                log(f"data: {done / 1e9:.2f}/{reader.total_bytes / 1e9:.2f} GB read, {n['docs']:,} "
+                    f"documents, "
                     f"{n['train'] + n['val']:,} tokens, {rate / 1e6:.1f} MB/s, "
                     f"eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
     if n["train"] == 0 or n["val"] == 0:
@@ -302,45 +320,59 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
         where = f"{dataset}" + (f" ({'; '.join(said)})" if said else "")
         lines = f"; {n['bad_lines']:,} JSON lines or rows had no text (first: {first['line']})" \
             if n["bad_lines"] else ""
-        raise ValueError(f"{where} is too small to split: {n['docs']} documents, {n['train'] + n['val']} tokens; "
-                         f"{n['train_units']} {unit} drew train and {n['val_units']} val (val_fraction {fraction})"
-                         + lines)
+        raise ValueError(f"{where} is too small to split: {n['docs']} documents, "
+                         f"{n['train'] + n['val']} tokens; {n['train_units']} {unit} drew train "
+                         f"and {n['val_units']} val (val_fraction {fraction})" + lines)
     crcs = {f"{split}_crc32": data.crc32(tmp[split]) for split in ("train", "val")}
     for split in ("train", "val"):
         os.replace(tmp[split], out / f"{split}.bin")
     seconds = time.time() - t0
     mb = (reader.total_bytes or reader.item_bytes) / 1e6
-    notes = [f"{len(reader.skipped)} file(s) skipped (first: {reader.skipped[0]})"] if reader.skipped else []
+    notes = [f"{len(reader.skipped)} file(s) skipped (first: {reader.skipped[0]})"] \
+        if reader.skipped else []
     if reader.damaged:
         notes.append(f"{len(reader.damaged)} damaged file(s) read up to the damage, their "
                      f"documents until then kept (first: {reader.damaged[0]})")
     if n["bad_bytes"]:
-        notes.append(f"{n['bad_bytes']:,} invalid UTF-8 bytes replaced in {len(bad_files)} file(s) (first: {first['bytes']})")
+        notes.append(f"{n['bad_bytes']:,} invalid UTF-8 bytes replaced in {len(bad_files)} file(s) "
+                     f"(first: {first['bytes']})")
     if n["bad_lines"]:
-        notes.append(f"{n['bad_lines']:,} malformed JSON lines or rows without text skipped (first: {first['line']})")
-    log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({mb / seconds:.1f} MB/s, {num_proc} "
-        f"process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, {n['train']:,} train and {n['val']:,} "
+        notes.append(f"{n['bad_lines']:,} malformed JSON lines or rows without text skipped "
+                     f"(first: {first['line']})")
+    log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({mb / seconds:.1f} MB/s, "
+        f"{num_proc} "
+        f"process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, {n['train']:,} train "
+        f"and {n['val']:,} "
         f"val tokens, in {out}" + "".join(f"; {x}" for x in notes))
-    return {"dtype": np.dtype(token_dtype(enc.n_vocab)).name, "train_tokens": n["train"], "val_tokens": n["val"],
+    return {"dtype": np.dtype(token_dtype(enc.n_vocab)).name, "train_tokens": n["train"],
+            "val_tokens": n["val"],
             **crcs, "max_id": max_id, "documents": n["docs"], "train_units": n["train_units"],
             "val_units": n["val_units"], "split_by": "piece" if reader.opts[2] else "document",
-            "skipped_files": reader.skipped, "damaged_files": reader.damaged, "invalid_utf8_bytes": n["bad_bytes"], "malformed_json_lines": n["bad_lines"],
+            "skipped_files": reader.skipped, "damaged_files": reader.damaged,
+            "invalid_utf8_bytes": n["bad_bytes"], "malformed_json_lines": n["bad_lines"],
             "seconds": seconds}
 
 
 def main(argv):
-    parser = data.CommandParser(prog="prepare.py", description="Tokenise a corpus into <data_dir>/<name>-<tokenizer>/ "
-                                "(train.py does this on first use; the option names are train.py's).")
-    parser.add_argument("--dataset", required=True, help="a text, .jsonl or .gz file, or a folder of them, or 'pydoc'")
-    parser.add_argument("--tokenizer", default="bytes", help="bytes, gpt2, or a tokenizer.json, a SentencePiece "
+    parser = data.CommandParser(prog="prepare.py",
+                                description="Tokenise a corpus into <data_dir>/<name>-<tokenizer>/ "
+                                "(train.py does this on first use; the option names are "
+                                "train.py's).")
+    parser.add_argument("--dataset", required=True,
+                        help="a text, .jsonl or .gz file, or a folder of them, or 'pydoc'")
+    parser.add_argument("--tokenizer", default="bytes",
+                        help="bytes, gpt2, or a tokenizer.json, a SentencePiece "
                         ".model or a folder holding one")
     parser.add_argument("--data_dir", default="data")
-    parser.add_argument("--num_proc", type=int, default=0, help="worker processes (default: every CPU)")
+    parser.add_argument("--num_proc", type=int, default=0,
+                        help="worker processes (default: every CPU)")
     parser.add_argument("--val_fraction", type=float, default=0.1)
-    parser.add_argument("--text_field", default="text", help="the field of a JSON line that holds its text")
+    parser.add_argument("--text_field", default="text",
+                        help="the field of a JSON line that holds its text")
     args = parser.parse_args(argv)
     try:
-        folder = prepare(args.dataset, args.tokenizer, args.data_dir, args.num_proc, args.val_fraction,
+        folder = prepare(args.dataset, args.tokenizer, args.data_dir, args.num_proc,
+                         args.val_fraction,
                          args.text_field)
     except ValueError as e:
         parser.error(str(e))

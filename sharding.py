@@ -1,4 +1,5 @@
-"""sharding.py: how a tensor-parallel model's local parameters derive from the single-device model's.
+"""sharding.py: how a tensor-parallel model's local parameters derive from the single-device
+model's.
 
 BOOST (arXiv 2512.12131) sections 2-4 cut one model three ways (layouts.py). Every local parameter
 carries a `Spec`: which full-model parameters it is cut from, along which dim, and how many rows of
@@ -29,9 +30,36 @@ class Spec:
     rows: list
 
 
+LAYOUTS = ("btp", "vanilla", "megatron")   # (layouts.py builds each)
+
+
+def check_divisible(cfg, tp, layout, pp=1):
+    """A clear ValueError when the TP degree cannot split this model under this layout, or the
+    pipeline degree its layers."""
+    if cfg.n_layer % pp:
+        raise ValueError(f"n_layer={cfg.n_layer} cannot be split into pp={pp} equal stages")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout} is not one of {', '.join(LAYOUTS)}")
+    if layout == "megatron" and cfg.lowrank:
+        raise ValueError(f"layout=megatron is the dense baseline; arch={cfg.arch} uses btp or "
+                         "vanilla")
+    if layout != "megatron" and not cfg.lowrank:
+        raise ValueError(f"layout={layout} splits bottlenecks; arch=full uses layout=megatron")
+    splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank) if layout == "vanilla" else \
+        dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
+    for name, value in splits.items():
+        if value % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={value} (layout={layout})")
+    if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
+        raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the "
+                         f"tokenizer's, "
+                         "padded to a multiple of 64): use a tp that divides 64")
+
+
 def cut_local(full, spec, tp):
     """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
-    parts = [full[name] if spec.dim is None else full[name].chunk(tp.size, spec.dim)[tp.tp_rank] for name in spec.pieces]
+    parts = [full[name] if spec.dim is None else full[name].chunk(tp.size, spec.dim)[tp.tp_rank]
+             for name in spec.pieces]
     return torch.cat(parts, 0)
 
 
@@ -69,7 +97,8 @@ class Sharded(nn.Module):
 
     def full_tensors(self, grads=False):
         """The single-device model's parameters (or gradients), gathered over TP: {name: tensor}."""
-        return self.gather_full({n: p.grad if grads else p.detach() for n, p in self.named_parameters()})
+        return self.gather_full({n: p.grad if grads else p.detach()
+                                 for n, p in self.named_parameters()})
 
     def gather_full(self, local):
         """{local name: tensor shaped like that parameter} -> {full-model name: full tensor}.
@@ -90,12 +119,14 @@ class Sharded(nn.Module):
         """Squared global gradient norm: sharded parameters summed over TP, replicated counted once;
         under --dp_shard every gradient is also a dp shard (dp_shard.py): summed over dp too."""
         params = dict(self.named_parameters())
-        sharded = replicated = torch.zeros((), dtype=torch.float64, device=dp_shard.local(next(self.parameters())).device)
+        sharded = replicated = torch.zeros((), dtype=torch.float64,
+                                           device=dp_shard.local(next(self.parameters())).device)
         dp_group = None
         for name, spec in self.named_specs():
             g = params[name].grad
             if g is None or (name == "tok_emb" and self.tied and not self.first):
-                continue  # (the tied embedding of the last stage is the first stage's: counted there)
+                # (the tied embedding of the last stage is the first stage's: counted there)
+                continue
             if dp_shard.is_sharded(g):
                 dp_group, g = g.device_mesh.get_group(), g.to_local()
             if spec.dim is None:
@@ -147,8 +178,11 @@ def reduce_tied_grad(model, pp_group=None):
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return
     held, cfg = getattr(model, "tok_emb", None), model.cfg
-    rows = dp_shard.rows_held(model, cfg.vocab_size)   # (under --dp_shard the same dp shard's rows on both)
-    buf = dp_shard.local(held.grad) if held is not None else torch.zeros(rows, cfg.n_embd, device=model.rope_cos.device)
+    # (under --dp_shard the same dp shard's rows on both)
+    rows = dp_shard.rows_held(model, cfg.vocab_size)
+    device = model.rope_cos.device
+    buf = dp_shard.local(held.grad) if held is not None else \
+        torch.zeros(rows, cfg.n_embd, device=device)
     buf = all_reduce(buf, pp_group, "grad")   # (V, d), or this dp shard of its rows; in place
     if held is not None and not dp_shard.is_sharded(held.grad):
         held.grad = buf

@@ -8,9 +8,10 @@ laptop CPU and on a GPU cluster:
 
 Read it top to bottom: main() checks everything and claims the out_dir; train() is the run: data,
 processes, model, optimizer, the loop, the end. Every rank draws its share of the same global batch
-from (seed, step) (plumbing/data.py), so the logged loss, the mean over the global batch, is comparable line
-by line across layouts. Options and their checks: plumbing/options.py; the out_dir's lock, metrics log and
-interrupts: plumbing/rundir.py; the checkpoints: plumbing/train_state.py.
+from (seed, step) (plumbing/data.py), so the logged loss, the mean over the global batch, is
+comparable line by line across layouts. Options and their checks: plumbing/options.py; the
+out_dir's lock, metrics log and interrupts: plumbing/rundir.py; the checkpoints:
+plumbing/train_state.py.
 """
 import math
 import os
@@ -22,17 +23,14 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from plumbing import data
+from plumbing import data, options, placement, rundir, train_state
+from plumbing.plan import resolve
 import dp_shard
 import kernels
-from plumbing import options
-from plumbing import placement
 import prepare
-from plumbing import rundir
 import sharding
-from plumbing import train_state
 from model import estimate_mfu, sample_text
-from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer, need
+from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer
 from parallel import LEDGER
 
 
@@ -50,19 +48,9 @@ def main(argv):
         return
     master, held = int(os.environ.get("RANK", "0")) == 0, None
     try:
-        cfg, tc = options.parse_args(argv)
-        resume = options.resume_plan(argv, tc, print if master else (lambda *a: None))
-        if resume:   # continue the run: the options its checkpoint recorded, unless argv gives them
-            cfg, tc = resume.cfg, resume.tc
-        if resume and tc.tokenizer == resume.meta.get("tokenizer"):   # its file gone or changed?
-            train_state.check_tokenizer(resume.found[0], resume.meta, tc.tokenizer)
-        cfg.vocab_size = options.vocab_size(tc.tokenizer)
-        if resume:
-            train_state.read_meta(resume.found[0], cfg.shape(), tc.tokenizer)
-        if tc.tensorboard:
-            need("tensorboard", "--tensorboard=true")   # (one line now, not a traceback after the model is built)
-            rundir.check_tensorboard(tc.out_dir)
-        plan = options.plan(cfg, tc, int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        plan, resume = resolve(argv, world, print if master else (lambda *a: None))
+        tc = plan.tc
         kernels.select(tc.kernels, plan.device)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
             from plumbing import explain
@@ -97,7 +85,7 @@ def configure_optimizer(model, tc):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel per step, and it skips its update on the device where found_inf is 1 (train_step)
+    # fused: one kernel a step, which skips its update on the device where found_inf is 1
     return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), fused=True)
 
 
@@ -114,21 +102,24 @@ def get_lr(it, tc):
 
 def fault_at(tc, kind, iter_num):
     """True where --inject_fault asks for this fault now (never in a group torchrun restarted)."""
-    return tc.inject_fault == f"{kind}:{iter_num}" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return tc.inject_fault == f"{kind}:{iter_num}" and not restarted
 
 
 # ------------------------------------------------------------------------------ the run
 
 def train(plan, argv, resume, interrupt):
-    """The run of `plan` (options.Plan); returns the signal number that interrupted it, or 0.
+    """The run of `plan` (plumbing.plan.Plan); returns the signal number that interrupted it, or 0.
     Rank 0 speaks for the job."""
     cfg, tc = plan.cfg, plan.tc
     master = int(os.environ.get("RANK", "0")) == 0
     log = print if master else (lambda *a, **k: None)
-    try:  # rank 0 prepares the corpus before the process group starts, so an hour of it meets no timeout
-        folder = prepare.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, tc.num_proc, tc.val_fraction,
-                                      tc.text_field, log)
-        splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size) for s in ("train", "val")}
+    # rank 0 prepares the corpus before the process group starts, so an hour of it meets no timeout
+    try:
+        folder = prepare.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, tc.num_proc,
+                                      tc.val_fraction, tc.text_field, log)
+        splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size)
+                  for s in ("train", "val")}
         place = placement.place_processes(plan)
         raw_model, n_params, flops_per_token = placement.build_model(plan, place)
         optimizer = configure_optimizer(raw_model, tc)
@@ -153,8 +144,8 @@ def train(plan, argv, resume, interrupt):
         (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}")
     log(placement.sizing_line(cfg, tc, n_params, place))
-    run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num, tc.tensorboard,
-                                       run.tokens_per_iter)
+    run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num,
+                                       tc.tensorboard, run.tokens_per_iter)
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
         sample(run)
@@ -163,7 +154,8 @@ def train(plan, argv, resume, interrupt):
 
 
 class Run:
-    """What a run's steps share: options, place, data, the model as trained (compiled, DDP, pipeline) and held."""
+    """What a run's steps share: options, place, data, the model as trained (compiled, DDP,
+    pipeline) and held."""
 
     def __init__(self, plan, place, splits, raw_model, optimizer, log, run_id, resume_from):
         cfg, tc = plan.cfg, plan.tc
@@ -176,8 +168,8 @@ class Run:
         self.dtype = plan.dtype
         self.autocast = nullcontext() if self.dtype == "float32" else \
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
-        self.nonfinite = torch.tensor(-1, device=place.device)  # the first iteration whose gradient was not finite
-        self.tokenizer_id = tokenizer_identity(tc.tokenizer)     # (once: what the run's data was prepared with)
+        self.nonfinite = torch.tensor(-1, device=place.device)  # the first non-finite iteration
+        self.tokenizer_id = tokenizer_identity(tc.tokenizer)   # (what the data was prepared with)
         if tc.compile and not tc.pp > 1:
             log("torch.compile: the first steps compile the model, which takes minutes on a CPU")
         self.model, self.pipe = placement.wrap(raw_model, tc, place, self.micro_steps,
@@ -185,10 +177,11 @@ class Run:
         self.pp_group = place.group("pp") if self.pipe else None
 
     def time_kernels(self):
-        """--kernels=auto under compile: one eager forward and backward first, so that every shape is
-        timed and chosen before tracing (which only reads the choices), then forgotten."""
-        x, y = next(self.shares("train", "train", 0))   # (batches are drawn by (seed, stream, step): nothing moves)
-        with torch.random.fork_rng(devices=[self.place.device] if self.place.device.startswith("cuda") else []):
+        """--kernels=auto under compile: one eager forward and backward first, so that every shape
+        is timed and chosen before tracing (which only reads the choices), then forgotten."""
+        x, y = next(self.shares("train", "train", 0))   # (drawn by (seed, stream, step))
+        cuda = self.place.device.startswith("cuda")
+        with torch.random.fork_rng(devices=[self.place.device] if cuda else []):
             with self.autocast:
                 loss = self.raw_model(x, y)[1]
             loss.backward()
@@ -200,10 +193,12 @@ class Run:
         tc, place = self.tc, self.place
         for micro in range(self.micro_steps):
             start = (micro * place.dp + place.dp_rank) * tc.batch_size
-            x, y = self.splits[split].batch(tc.seed, stream, step, self.global_batch, start, tc.batch_size)
+            x, y = self.splits[split].batch(tc.seed, stream, step, self.global_batch, start,
+                                            tc.batch_size)
             if place.device.startswith("cuda"):   # from pinned memory, copied while the GPU works
                 x, y = x.pin_memory(), y.pin_memory()
-            yield x.to(place.device, non_blocking=True), y.to(place.device, non_blocking=True)   # (b, s), (b, s)
+            x, y = x.to(place.device, non_blocking=True), y.to(place.device, non_blocking=True)
+            yield x, y   # (b, s), (b, s)
 
     def whole(self, split, stream, step):
         """This rank's micro-batches in one tensor each, for the pipeline schedule to split."""
@@ -231,30 +226,37 @@ def evaluate(run):
                 if run.pipe:
                     total += run.pipe.run(*run.whole(split, f"eval-{split}", k), train=False)
                 else:
-                    total += sum(run.model(x, y)[1].float() for x, y in run.shares(split, f"eval-{split}", k)) / run.micro_steps
+                    parts = run.shares(split, f"eval-{split}", k)
+                    total += sum(run.model(x, y)[1].float() for x, y in parts) / run.micro_steps
         out[split] = run.mean_over_dp(total / run.tc.eval_iters)
-    dp_shard.reshard(run.raw_model)   # (--dp_shard=grad keeps what forward gathered until a backward)
+    dp_shard.reshard(run.raw_model)   # (--dp_shard=grad keeps what forward gathered)
     run.model.train()
     return out
 
 
 def check_finite(run, iter_num):
     """Stop, exit 2, if a step since the last check had a non-finite gradient (read at log steps and
-    before a save, so no step waits for it; the fused AdamW skipped that step's update on the device)."""
+    before a save, so no step waits for it; the fused AdamW skipped that step's update on the
+    device)."""
     bad = int(run.nonfinite.item())
     if bad >= 0:
-        fail(f"the loss or its gradient is not finite at iteration {bad} (its update skipped; stopped at "
-             f"iteration {iter_num}). The last good checkpoint ({run.last_ckpt or 'none'}) is untouched")
+        fail(f"the loss or its gradient is not finite at iteration {bad} (its update skipped; "
+             f"stopped at "
+             f"iteration {iter_num}). The last good checkpoint ({run.last_ckpt or 'none'}) is "
+             f"untouched")
 
 
 def save_checkpoint(run, iter_num, crash=None):
     check_finite(run, iter_num)
-    meta = {"config": run.cfg.shape(), "train_config": asdict(run.tc), "tokenizer": run.tc.tokenizer,
+    meta = {"config": run.cfg.shape(), "train_config": asdict(run.tc),
+            "tokenizer": run.tc.tokenizer,
             "tokenizer_id": run.tokenizer_id, "run_id": run.run_id}
     t = time.time()
     try:
-        path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer, run.place.ckpt_mesh,
-                                      meta, keep=run.tc.keep_checkpoints, before_publish=crash, discard=run.damaged)
+        path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer,
+                                      run.place.ckpt_mesh,
+                                      meta, keep=run.tc.keep_checkpoints, before_publish=crash,
+                                      discard=run.damaged)
     except ValueError as e:   # the disk is full: one line, exit 2
         fail(e)
     run.damaged, run.last_ckpt = [], path
@@ -263,10 +265,11 @@ def save_checkpoint(run, iter_num, crash=None):
 
 
 def train_step(run, iter_num):
-    """Forward and backward of the global batch (the pipeline schedule, or gradient accumulation over
-    this rank's micro-batches, DDP averaging at the last), clipping, the optimizer step; the loss."""
+    """Forward and backward of the global batch (the pipeline schedule, or gradient accumulation
+    over this rank's micro-batches, DDP averaging at the last), clipping, the optimizer step; the
+    loss."""
     loss_sum = torch.zeros((), device=run.place.device)   # on the device: log_step reads it
-    if run.pipe:  # the schedule runs this rank's micro-batches through the stages, forward and backward
+    if run.pipe:   # the schedule runs this rank's micro-batches through the stages, both ways
         with run.autocast:
             loss_sum = run.pipe.run(*run.whole("train", "train", iter_num))
         if run.tc.dp_shard == "none":   # (dp_shard: FSDP2 reduce-scatters at the last micro-batch)
@@ -274,7 +277,7 @@ def train_step(run, iter_num):
     else:
         sharded = run.tc.dp_shard != "none"
         for micro, (x, y) in enumerate(run.shares("train", "train", iter_num)):
-            sync = micro == run.micro_steps - 1 or run.place.dp == 1   # DDP all-reduces at the last only
+            sync = micro == run.micro_steps - 1 or run.place.dp == 1   # DDP: at the last only
             if sharded:   # FSDP2 reduce-scatters at the last only
                 run.model.set_requires_gradient_sync(sync)
             with (nullcontext() if sync or sharded else run.model.no_sync()), run.autocast:
@@ -286,9 +289,9 @@ def train_step(run, iter_num):
     sharding.reduce_tied_grad(run.raw_model, run.pp_group)
     clip = run.tc.grad_clip if run.tc.grad_clip > 0 else float("inf")
     grad_norm = sharding.clip_grad_norm(run.raw_model, clip, run.pp_group)
-    bad = ~torch.isfinite(grad_norm)   # the same on every rank (the gradients are all-reduced); no host sync:
+    bad = ~torch.isfinite(grad_norm)   # the same on every rank; no host sync:
     run.optimizer.found_inf = bad.float()   # the fused AdamW skips this update where it is 1
-    run.nonfinite = torch.where(bad & (run.nonfinite < 0), iter_num, run.nonfinite)   # check_finite reads it
+    run.nonfinite = torch.where(bad & (run.nonfinite < 0), iter_num, run.nonfinite)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.grad_norm = grad_norm   # (on the device, before clipping: log_step reads it)
@@ -302,7 +305,8 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
     loss, tokens_per_s = run.mean_over_dp(loss_sum), run.tokens_per_iter / dt
     mfu = estimate_mfu(flops_per_token, tokens_per_s / run.place.world, tc.peak_tflops)
     comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
-            "dp_bytes": LEDGER.total("dp", unit="bytes"), "pp_bytes": LEDGER.total("pp", unit="bytes")}
+            "dp_bytes": LEDGER.total("dp", unit="bytes"),
+            "pp_bytes": LEDGER.total("pp", unit="bytes")}
     eta = elapsed / (iter_num + 1 - start_iter) * (tc.max_iters - iter_num - 1)
     mem_gb, grad_norm = rundir.peak_memory_gb(run.place.device), float(run.grad_norm)
     run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -311,8 +315,10 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
     run.log(f"iter {iter_num}/{tc.max_iters}: loss {loss:.4f}, lr {lr:.2e}, "
             f"grad norm {grad_norm:.3f}, {dt * 1000:.1f} ms, "
             f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s, "
-            f"comm {comm['comm_bytes'] / 1e6:.2f} MB" + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
-            + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, eta {rundir.duration(eta)}")
+            f"comm {comm['comm_bytes'] / 1e6:.2f} MB"
+            + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, eta "
+            f"{rundir.duration(eta)}")
 
 
 def loop(run, iter_num, flops_per_token, interrupt):
@@ -320,7 +326,9 @@ def loop(run, iter_num, flops_per_token, interrupt):
     returns the signal number, or 0 at the end."""
     tc, log = run.tc, run.log
     start_iter, best_val, signum = iter_num, None, 0
-    profiler = rundir.profiler(tc.profile, tc.out_dir, dist.get_rank() if dist.is_initialized() else 0, log, tc.max_iters - iter_num)
+    profiler = rundir.profiler(tc.profile, tc.out_dir,
+                               dist.get_rank() if dist.is_initialized() else 0, log,
+                               tc.max_iters - iter_num)
     interrupt.armed = True
     t_start = t0 = time.time()
     while True:
@@ -329,15 +337,19 @@ def loop(run, iter_num, flops_per_token, interrupt):
             group["lr"] = lr
         record = {}
         # evaluate (not again at the iteration a resumed run starts from: it was saved there)
-        if (iter_num % tc.eval_interval == 0 or iter_num == tc.max_iters) and not (run.resume_from and iter_num == start_iter):
+        due = iter_num % tc.eval_interval == 0 or iter_num == tc.max_iters
+        if due and not (run.resume_from and iter_num == start_iter):
             losses = evaluate(run)
             record = {"eval_train_loss": losses["train"], "val_loss": losses["val"]}
             best_val = losses["val"] if best_val is None else min(best_val, losses["val"])
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if iter_num > 0:
-                save_checkpoint(run, iter_num, (lambda: os._exit(1)) if fault_at(tc, "kill_in_save", iter_num) else None)
+                save_checkpoint(run, iter_num,
+                                (lambda: os._exit(1)) if fault_at(tc, "kill_in_save", iter_num)
+                                else None)
             t0 = time.time()  # evaluation is not training time
-        if fault_at(tc, "kill", iter_num) and int(os.environ.get("RANK", "0")) == run.place.world - 1:
+        last_rank = int(os.environ.get("RANK", "0")) == run.place.world - 1
+        if fault_at(tc, "kill", iter_num) and last_rank:
             os._exit(1)  # a rank dies mid-run; torchrun --max-restarts restarts the group
         if iter_num >= tc.max_iters:
             if record:
@@ -350,7 +362,8 @@ def loop(run, iter_num, flops_per_token, interrupt):
         t1 = time.time()
         dt, t0 = t1 - t0, t1
         if iter_num % tc.log_interval == 0 or record:
-            log_step(run, iter_num, lr, loss_sum, dt, t1 - t_start, start_iter, flops_per_token, record)
+            log_step(run, iter_num, lr, loss_sum, dt, t1 - t_start, start_iter, flops_per_token,
+                     record)
         iter_num += 1
         signum = interrupt.agreed(run.place.host_group)
         if signum:  # every rank finished this step: save it, say how to go on, stop
@@ -365,7 +378,8 @@ def loop(run, iter_num, flops_per_token, interrupt):
     else:
         check_finite(run, iter_num)
         n = tc.max_iters - start_iter
-        summary = (f"{n} iterations ({start_iter}..{tc.max_iters}), {n * run.tokens_per_iter:,} tokens in "
+        summary = (f"{n} iterations ({start_iter}..{tc.max_iters}), {n * run.tokens_per_iter:,} "
+                   f"tokens in "
                    f"{rundir.duration(time.time() - t_start)}")
         best = f"; best val loss {best_val:.4f}" if best_val is not None else ""
         log(f"done: {summary}{best}; last checkpoint {run.last_ckpt or 'none'}")
@@ -378,11 +392,13 @@ def sample(run):
     """A generated sample at the end of the run (every TP rank runs the forward; rank 0 prints)."""
     tc = run.tc
     if tc.sample_tokens > 0 and run.pipe:
-        run.log("no sample under pp > 1: export the checkpoint and run python interchange.py sample")
+        run.log("no sample under pp > 1: export the checkpoint and run python interchange.py "
+                "sample")
     if tc.sample_tokens <= 0 or run.pipe:
         return
     torch.manual_seed(tc.seed)
-    with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels, each a new shape
+    # M = 1..200 rows: too few for the kernels, each a new shape
+    with run.autocast, kernels.reference():
         run.log("sample:\n" + sample_text(run.raw_model, load_tokenizer(tc.tokenizer),
                                                       tc.sample_tokens, run.place.device))
 

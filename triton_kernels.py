@@ -7,8 +7,8 @@ GEMM) are `triton.autotune`d on CUDA over a short list of tile configurations fo
 architecture (A100, sm_80: BK 32, cp.async pipelines of 3-4 stages; H100/H200, sm_90: BK 64 for
 wgmma), keyed on the shapes, as in Triton's matmul tutorials and Liger-Kernel. Under Triton's CPU
 interpreter (TRITON_INTERPRET=1, set here when there is no CUDA) there is one small configuration,
-and bf16 tiles are upcast since the interpreter's bf16 dots are wrong. test_kernels.py compiles every
-configuration for sm_80 and sm_90 without a GPU (tools/gpu_compile.py) and checks tensor-core
+and bf16 tiles are upcast since the interpreter's bf16 dots are wrong. test_kernels.py compiles
+every configuration for sm_80 and sm_90 without a GPU (tools/gpu_compile.py) and checks tensor-core
 instructions and that nothing spills.
 """
 import functools
@@ -25,9 +25,10 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (block rows, block columns, block K, num_warps, num_stages) of the GEMM-shaped kernels, per GPU
-# architecture and input width: bf16/fp16 tiles feed the tensor cores (mma on sm_80, wgmma on sm_90);
-# fp32 inputs take exact IEEE dots on the FMA units and get smaller tiles. Every entry compiles
-# without register spills for every kernel (tools/gpu_compile.py; BK 64 spilled on sm_90 in the grouped GEMM)
+# architecture and input width: bf16/fp16 tiles feed the tensor cores (mma on sm_80, wgmma on
+# sm_90); fp32 inputs take exact IEEE dots on the FMA units and get smaller tiles. Every entry
+# compiles without register spills for every kernel (tools/gpu_compile.py; BK 64 spilled on sm_90
+# in the grouped GEMM)
 GEMM_CONFIGS = {
     (80, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
     (90, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 3)],
@@ -87,9 +88,11 @@ def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
     ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
         g = tl.load(g_ptr + rk, mask=rk < K, other=0.0)
-        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K),
+                    other=0.0)
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         xg = (xf * g.to(tl.float32)[None, :]).to(a.dtype)
@@ -100,7 +103,8 @@ def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
         tl.store(s_ptr + rm, ss, mask=rm < M)
 
 @triton.jit
-def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, s_dhm, s_an, s_xm, M_KEY,
+def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, s_dhm, s_an, s_xm,
+                  M_KEY,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """dx tile (BM, BK) = (dH·A)⊙γ + 2·x·dS, and this row block's partial dγ = Σ_m (dH·A)⊙x."""
@@ -110,8 +114,10 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for n0 in range(0, N, BN):
         rn = n0 + tl.arange(0, BN)
-        dh = tl.load(dh_ptr + _at(rm, rn, s_dhm, 1), mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
-        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        dh = tl.load(dh_ptr + _at(rm, rn, s_dhm, 1), mask=(rm[:, None] < M) & (rn[None, :] < N),
+                     other=0.0)
+        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K),
+                    other=0.0)
         acc += _dot(dh, a, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=mask, other=0.0).to(tl.float32)
@@ -122,13 +128,15 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
     tl.store(dg_ptr + pid_m.to(tl.int64) * K + rk, tl.sum(acc * x, axis=0), mask=rk < K)
 
 @triton.jit
-def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq, P_KEY, Q_KEY, K_KEY,
+def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq, P_KEY, Q_KEY,
+                K_KEY,
                 CALL_KEY, G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K and
-    the row and column offsets of A_g, B_g, C_g inside A, B, C; the programs take the groups' tiles
-    in order, each finding its group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest group's
-    sizes, rounded up to powers of two) and CALL_KEY (which of CALLS launched it: their strides differ) are only the autotuner's key."""
+    """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K
+    and the row and column offsets of A_g, B_g, C_g inside A, B, C; the programs take the groups'
+    tiles in order, each finding its group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest
+    group's sizes, rounded up to powers of two) and CALL_KEY (which of CALLS launched it: their
+    strides differ) are only the autotuner's key."""
     t = tl.program_id(0)
     g = 0
     first = 0
@@ -148,7 +156,7 @@ def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_c
     a_ptrs = a_ptr + _at(tl.load(m + 3) + rp, tl.load(m + 4) + rk, s_ap, s_ak)
     b_ptrs = b_ptr + _at(tl.load(m + 5) + rk, tl.load(m + 6) + rq, s_bk, s_bq)
     acc = tl.zeros((BP, BQ), dtype=tl.float32)
-    for k0 in range(0, K, BK):   # the pointers advance by BK along K, as in Triton's matmul tutorial
+    for k0 in range(0, K, BK):  # the pointers advance by BK along K, as in Triton's matmul tutorial
         a = tl.load(a_ptrs, mask=(rp[:, None] < P) & (k0 + rk[None, :] < K), other=0.0)
         b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rq[None, :] < Q), other=0.0)
         acc += _dot(a, b, UPCAST, IEEE)
@@ -173,7 +181,8 @@ def rms_fwd(x_ptr, g_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK:
             tl.store(rstd_ptr + row, rstd)
 
 @triton.jit
-def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.constexpr,
+            BLOCK: tl.constexpr):
     """dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)); this program's partial dγ = Σ_rows dy⊙x̂."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -189,7 +198,8 @@ def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.const
             xhat = x * rstd
             wdy = dy * g
             c = tl.sum(xhat * wdy, axis=0) / N
-            tl.store(dx_ptr + at, ((wdy - xhat * c) * rstd).to(dx_ptr.dtype.element_ty), mask=cols < N)
+            tl.store(dx_ptr + at, ((wdy - xhat * c) * rstd).to(dx_ptr.dtype.element_ty),
+                     mask=cols < N)
             dg += dy * xhat
     tl.store(dg_ptr + pid.to(tl.int64) * N + cols, dg, mask=cols < N)
 
@@ -198,11 +208,13 @@ def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.const
 
 def _tuned(fn, names, key, **options):
     """fn autotuned over its configurations, one tuner per input width: {16: ..., 32: ...}."""
-    return {bits: triton.autotune(gemm_configs(names, bits), key=key, **options)(fn) for bits in (16, 32)}
+    return {bits: triton.autotune(gemm_configs(names, bits), key=key, **options)(fn)
+            for bits in (16, 32)}
 
 
 norm_down_fwd = _tuned(_norm_down_fwd, ("BM", "BN", "BK"), ["M_KEY", "N", "K"])
-norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M_KEY", "N", "K"], reset_to_zero=["dg_ptr"])  # unused rows stay 0
+norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M_KEY", "N", "K"],
+                      reset_to_zero=["dg_ptr"])   # unused rows stay 0
 grouped = _tuned(_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"])
 CALLS = ("up", "dz", "dW", "dA")   # the grouped products kernels.py launches
 # the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here
@@ -223,7 +235,8 @@ def bucket(n):
 
 @functools.lru_cache(maxsize=64)
 def _meta(groups, device):
-    """The groups' metadata as a device tensor; cached, since the same shapes come back every step."""
+    """The groups' metadata as a device tensor; cached, since the same shapes come back every
+    step."""
     return torch.tensor(groups, dtype=torch.int32, device=device)  # int32: 32-bit index arithmetic
 
 
@@ -254,9 +267,12 @@ def grouped_mm(A, B, C, groups, call):
     pattern ("up", "dz", "dW", "dA"): the autotuner keeps tiles per call."""
     groups = tuple(tuple(g) for g in groups)
     up, ieee = dot_flags(A.t)
-    grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"]) for g in groups),)
-    grouped[bits(A.t)][grid](A.t, B.t, C.t, _meta(groups, C.t.device), A.s_outer, A.s_inner, B.s_outer, B.s_inner,
-                             C.s_outer, C.s_inner, *(bucket(max(g[i] for g in groups)) for i in range(3)),
+    grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"])
+                             for g in groups),)
+    grouped[bits(A.t)][grid](A.t, B.t, C.t, _meta(groups, C.t.device), A.s_outer, A.s_inner,
+                             B.s_outer, B.s_inner,
+                             C.s_outer, C.s_inner,
+                             *(bucket(max(g[i] for g in groups)) for i in range(3)),
                              CALLS.index(call), G=len(groups), UPCAST=up, IEEE=ieee)
     return C.t
 
@@ -268,6 +284,6 @@ def rows():
 def rms_warps(block, backward=False):
     """Warps for an RMSNorm row of BLOCK columns (tools/gpu_compile.py, ptxas -v, sm_80 and sm_90):
     4 up to 4096 both ways; at 8192 (d > 4096: the 13B and 30B models) the backward spills with 4
-    (about 600 B bf16, 6,400 B fp32) and not with 8, while the forward spills 8 B with 8 on sm_90 and
-    none with 4. Twice the row, twice the warps from there."""
+    (about 600 B bf16, 6,400 B fp32) and not with 8, while the forward spills 8 B with 8 on sm_90
+    and none with 4. Twice the row, twice the warps from there."""
     return min(16, max(4, block // (1024 if backward else 2048)))

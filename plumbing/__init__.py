@@ -9,6 +9,7 @@ interchange); none of the story imports this package. Here:
   rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
   train_state  training-state checkpoints (DCP): save, verify, choose, resume
   integrity    checksums, and reading files from elsewhere as data (never code)
+  formats      the folders other tools read (Hugging Face Llama, CoLA's), written and read back
   weights      safetensors files read as data, for imports
   tokenizer    bytes, GPT-2, Hugging Face tokenizer.json and SentencePiece .model
   corpus       text, JSON Lines, Parquet and compressed corpora, read document by document

@@ -29,7 +29,8 @@ PARQUET_ROWS = 256           # rows of a .parquet file decoded at a time (a row 
 
 
 def kind_of(path):
-    """'parquet', 'jsonl' or 'text', and the compression ('gz', 'zst' or None), from the file name."""
+    """'parquet', 'jsonl' or 'text', and the compression ('gz', 'zst' or None), from the file
+    name."""
     name, packed = path.name, None
     for suffix in (".gz", ".zst"):
         if name.endswith(suffix):
@@ -50,8 +51,8 @@ def check_packages(files):
 
 
 def damaged_errors():
-    """What reading a damaged file raises: OSError, EOFError (gzip), ValueError (pyarrow's ArrowInvalid)
-    and zstandard's ZstdError where it is installed."""
+    """What reading a damaged file raises: OSError, EOFError (gzip), ValueError (pyarrow's
+    ArrowInvalid) and zstandard's ZstdError where it is installed."""
     try:
         import zstandard
         return OSError, EOFError, ValueError, zstandard.ZstdError
@@ -103,10 +104,10 @@ class Zstd(io.RawIOBase):
 
 
 def pieces(buf, final):
-    """Cut bytes into pieces that end at the first b'\\n' at or past PIECE bytes from their start, or,
-    where no line ends before LONGEST bytes, at the last UTF-8 character boundary there: (complete
-    pieces, the rest). Feeding the rest back with more bytes gives the same cuts, and no piece, so
-    no buffer, grows with the length of a line."""
+    """Cut bytes into pieces that end at the first b'\\n' at or past PIECE bytes from their start,
+    or, where no line ends before LONGEST bytes, at the last UTF-8 character boundary there:
+    (complete pieces, the rest). Feeding the rest back with more bytes gives the same cuts, and no
+    piece, so no buffer, grows with the length of a line."""
     out, start = [], 0
     while True:
         nl = buf.find(b"\n", start + PIECE - 1, start + LONGEST)
@@ -142,10 +143,12 @@ class Reader:
 
     def __init__(self, dataset, options):
         self.files = [] if dataset == data.EMBEDDED else source_files(dataset)
-        by_piece = len(self.files) == 1 and kind_of(self.files[0])[0] == "text"   # no documents to split by
+        # no documents to split by
+        by_piece = len(self.files) == 1 and kind_of(self.files[0])[0] == "text"
         self.dataset, self.opts, self.done_bytes, self.doc = dataset, (*options, by_piece), 0, 0
         self.total_bytes = sum(f.stat().st_size for f in self.files)
-        self.item_bytes = 0   # bytes handed to the workers (the embedded corpus has no files to count)
+        # bytes handed to the workers (the embedded corpus has no files to count)
+        self.item_bytes = 0
         self.skipped = []   # binary and unreadable files, named in the summary
         self.damaged = []   # files that broke off after some documents (those are kept), likewise
 
@@ -175,8 +178,10 @@ class Reader:
                     if kind == "parquet":
                         yield from self._parquet(f)
                     else:
-                        yield from (self._jsonl if kind == "jsonl" else self._text_file)(str(f), open_stream(self.raw, packed))
-                except damaged_errors() as e:   # a corrupt .gz, .zst or .parquet: say so, keep what was read
+                        yield from (self._jsonl if kind == "jsonl"
+                                    else self._text_file)(str(f), open_stream(self.raw, packed))
+                # a corrupt .gz, .zst or .parquet: say so, keep what was read
+                except damaged_errors() as e:
                     why = f"{f} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
                     used_some = self.item_bytes > used   # (what was used is kept)
                     (self.damaged if used_some else self.skipped).append(why)
@@ -214,16 +219,18 @@ class Reader:
         self.doc += 1
 
     def _parquet(self, f):
-        """PARQUET_ROWS rows at a time, whatever the row groups' size (bounded memory); each row's text
-        is an item the workers cut."""
+        """PARQUET_ROWS rows at a time, whatever the row groups' size (bounded memory); each row's
+        text is an item the workers cut."""
         import pyarrow.parquet as pq
         table = pq.ParquetFile(self.raw)   # (read through self.raw: progress counts its bytes)
         field = self.opts[1]
         if field not in table.schema_arrow.names:
-            self.skipped.append(f"{f} (no column {field!r}; its columns: {', '.join(table.schema_arrow.names[:8])})")
+            names = ", ".join(table.schema_arrow.names[:8])
+            self.skipped.append(f"{f} (no column {field!r}; its columns: {names})")
             return
         row = 0
-        for batch in table.iter_batches(batch_size=PARQUET_ROWS, columns=[field]):   # within a row group too
+        # within a row group too
+        for batch in table.iter_batches(batch_size=PARQUET_ROWS, columns=[field]):
             for text in batch.column(0).to_pylist():
                 row += 1
                 blob = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else None

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-EMBEDDED = "pydoc"  # the default corpus: Python's own help text, shipped with every CPython (prepare.py)
+# the default corpus: Python's own help text, shipped with every CPython (prepare.py)
+EMBEDDED = "pydoc"
 
 
 def crc32(path, chunk=16 << 20):
@@ -40,23 +41,29 @@ class TokenFile:
 
     def __init__(self, folder, split, block_size, vocab_size=None):
         meta = json.loads((Path(folder) / "meta.json").read_text())
-        if vocab_size is not None and meta["max_id"] >= vocab_size:   # an IndexError at step 0 otherwise
-            raise ValueError(f"{folder} holds token ids up to {meta['max_id']}, the model's vocabulary has "
+        # an IndexError at step 0 otherwise
+        if vocab_size is not None and meta["max_id"] >= vocab_size:
+            raise ValueError(f"{folder} holds token ids up to {meta['max_id']}, the model's "
+                             f"vocabulary has "
                              f"{vocab_size}: prepare the corpus with this run's --tokenizer")
         self.data = np.memmap(Path(folder) / f"{split}.bin", dtype=meta["dtype"], mode="r")
         self.block_size = block_size
         if len(self.data) <= block_size:
             raise ValueError(f"the {split} split of {meta['source']} has {len(self.data)} tokens "
-                             f"(train {meta['train_tokens']}, val {meta['val_tokens']}), fewer than block_size+1="
-                             f"{block_size + 1}: use a longer corpus, a smaller --block_size or another --val_fraction")
+                             f"(train {meta['train_tokens']}, val {meta['val_tokens']}), fewer "
+                             f"than block_size+1="
+                             f"{block_size + 1}: use a longer corpus, a smaller --block_size or "
+                             f"another --val_fraction")
 
     def batch(self, seed, stream, step, global_batch, start, count):
         """Sequences [start, start+count) of the global batch drawn for (seed, stream, step).
 
         Returns x, y (count, block_size) int64, y shifted by one token."""
         rng = np.random.default_rng([seed, self.STREAMS[stream], step])
-        ix = rng.integers(0, len(self.data) - self.block_size, size=global_batch)[start:start + count]
-        import torch  # here, not on top: prepare.py's worker processes import this file and need no torch
+        ix = rng.integers(0, len(self.data) - self.block_size,
+                          size=global_batch)[start:start + count]
+        # here, not on top: prepare.py's worker processes import this file and need no torch
+        import torch
         x = np.stack([self.data[i:i + self.block_size] for i in ix]).astype(np.int64)
         y = np.stack([self.data[i + 1:i + 1 + self.block_size] for i in ix]).astype(np.int64)
         return torch.from_numpy(x), torch.from_numpy(y)  # (count, s), (count, s)

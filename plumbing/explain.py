@@ -1,4 +1,5 @@
-"""explain.py: `train.py --explain=true`: what every rank computes, sends and keeps in one real step.
+"""explain.py: `train.py --explain=true`: what every rank computes, sends and keeps in one real
+step.
 
 For teaching BOOST (arXiv 2512.12131) §2-6: run exactly as training is launched (under torchrun for
 TP, PP or DP), with any model and layout options; one forward and backward of a tiny batch is run
@@ -31,18 +32,25 @@ from parallel import LEDGER
 
 ATTENTION = "scaled_dot_product"
 GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.")
-PREFER = {"btp": ("3r+1", "2r+1", "2r_m+1", "3r", "2r", "2r_m", "r", "r_m", "d"), "megatron": ("d",),
+PREFER = {"btp": ("3r+1", "2r+1", "2r_m+1", "3r", "2r", "2r_m", "r", "r_m", "d"),
+          "megatron": ("d",),
           "vanilla": ("d", "kv", "f")}   # the symbols of each layout's collectives
 # what each collective carries, by layout, phase and width per token (the numbers are recorded)
 CARRIES = {("btp", "fwd", "3r+1"): "q, k, v latents + the norm statistic (online RMSNorm)",
-           ("btp", "fwd", "2r+1"): "gate, up latents + the norm statistic", ("btp", "fwd", "r"): "a partial latent",
-           ("btp", "bwd", "3r"): "gradient of the q, k, v latents", ("btp", "bwd", "2r"): "gradient of the gate, up latents",
-           ("btp", "bwd", "r"): "gradient of a latent", ("btp", "fwd", "d"): "the residual stream, gathered for the head",
+           ("btp", "fwd", "2r+1"): "gate, up latents + the norm statistic",
+           ("btp", "fwd", "r"): "a partial latent",
+           ("btp", "bwd", "3r"): "gradient of the q, k, v latents",
+           ("btp", "bwd", "2r"): "gradient of the gate, up latents",
+           ("btp", "bwd", "r"): "gradient of a latent",
+           ("btp", "fwd", "d"): "the residual stream, gathered for the head",
            ("megatron", "fwd", "d"): "partial sums of o or down (row-parallel)",
            ("megatron", "bwd", "d"): "gradient of the normed input (column-parallel)",
-           ("vanilla", "fwd", "d"): "partial sums of a row-parallel B", ("vanilla", "bwd", "d"): "gradient of an A's input",
-           ("vanilla", "fwd", "kv"): "partial sums of B_k or B_v", ("vanilla", "fwd", "f"): "partial sums of B_gate or B_up",
-           ("vanilla", "bwd", "f"): "gradient of A_down's input", ("btp", "bwd", "d"): "gradient of the head's input",
+           ("vanilla", "fwd", "d"): "partial sums of a row-parallel B",
+           ("vanilla", "bwd", "d"): "gradient of an A's input",
+           ("vanilla", "fwd", "kv"): "partial sums of B_k or B_v",
+           ("vanilla", "fwd", "f"): "partial sums of B_gate or B_up",
+           ("vanilla", "bwd", "f"): "gradient of A_down's input",
+           ("btp", "bwd", "d"): "gradient of the head's input",
            **{("vanilla", "bwd", w): "gradient of latents gathered for LaX's crossing"
               for w in ("r", "2r", "3r")},
            **{(lay, "fwd", "1"): "cross-entropy over the vocabulary shards: max, target logit, Σexp"
@@ -59,26 +67,30 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, model, names, layout):
         super().__init__()
-        self.names, self.layout, self.events, self.pending, self.section = names, layout, [], [], "embedding"
-        specs = dict(model.named_specs()) if hasattr(model, "named_specs") else {}
+        self.names, self.layout, self.events, self.pending = names, layout, [], []
+        self.section = "embedding"
+        specs = dict(model.named_specs())   # (a layouts.TPLlama: every run trains one)
         self.model, self.labels, self.grads, self.flops = model, {}, {}, 0
-        first = int(model.layers[0].label.split()[-1]) if hasattr(model.layers[0], "label") else 0  # a stage's
+        first = int(model.layers[0].label.split()[-1])   # (a pipeline stage's first layer)
         for full_name, p in model.named_parameters():
             parts = full_name.split(".")
             section = f"layer {int(parts[1]) + first}" if parts[0] == "layers" else \
                 ("embedding" if parts[0] == "tok_emb" else "head")
             short = ".".join(parts[2:] if parts[0] == "layers" else parts).removesuffix(".weight")
-            symbols = names.local(specs[full_name], model.cfg) if specs else names.param(full_name, model.cfg)
+            symbols = names.local(specs[full_name], model.cfg)
             self.labels[full_name] = (section, short, symbols, tuple(p.shape), p.stride())
-            self.grads.setdefault(tuple(p.shape), set()).add(symbols)   # a weight gradient's shape -> symbols
+            # a weight gradient's shape -> symbols
+            self.grads.setdefault(tuple(p.shape), set()).add(symbols)
         self.sharded = getattr(model, "dp_shard", "none") != "none"
         self.index()
 
     def index(self):
-        """{storage: label} of the parameters where they are now. Under --dp_shard FSDP2 puts a unit's
-        gathered parameters in place of its shards while it is gathered, in new memory each time
-        (often the memory the unit before it freed), so `param` reads them again at every op."""
-        self.params = {p.untyped_storage().data_ptr(): self.labels[n] for n, p in self.model.named_parameters()
+        """{storage: label} of the parameters where they are now. Under --dp_shard FSDP2 puts a
+        unit's gathered parameters in place of its shards while it is gathered, in new memory each
+        time (often the memory the unit before it freed), so `param` reads them again at every
+        op."""
+        self.params = {p.untyped_storage().data_ptr(): self.labels[n]
+                       for n, p in self.model.named_parameters()
                        if not dp_shard.is_sharded(p)}
 
     @staticmethod
@@ -95,7 +107,8 @@ class Recorder(TorchDispatchMode):
         return self.params.get(t.untyped_storage().data_ptr())
 
     def symbols(self, t):
-        """(label, symbolic shape) of a parameter operand as it is used (transposed: Wᵀ); else None."""
+        """(label, symbolic shape) of a parameter operand as it is used (transposed: Wᵀ); else
+        None."""
         p = self.param(t)
         if p and tuple(t.shape) == p[3] and t.stride() == p[4]:
             return p[1], p[2]
@@ -108,12 +121,14 @@ class Recorder(TorchDispatchMode):
         and the other operand's and the output's that it shares."""
         size = self.names.size
         if a.dim() != 2 or b.dim() != 2:
-            return f"{self.names.shape(a.shape)} @ {self.names.shape(b.shape)} -> {self.names.shape(out.shape)}"
+            shape = self.names.shape
+            return f"{shape(a.shape)} @ {shape(b.shape)} -> {shape(out.shape)}"
         pa, pb = self.symbols(a), self.symbols(b)
         grad = self.grads.get(tuple(out.shape), ())
         if not (pa or pb) and len(grad) == 1:  # a weight gradient, dyᵀ·x: its weight's symbols
             (m, n), = grad
-            return f"({m}, {size(a.shape[1])}) @ ({size(b.shape[0])}, {n}) -> weight gradient ({m}, {n})"
+            return (f"({m}, {size(a.shape[1])}) @ ({size(b.shape[0])}, {n}) -> weight gradient "
+                    f"({m}, {n})")
         sa = pa[1] if pa else (size(a.shape[0]), pb[1][0] if pb else size(a.shape[1]))
         sb = pb[1] if pb else (sa[1], size(b.shape[1]))
         label = lambda p: p[0] + " " if p else ""
@@ -135,7 +150,9 @@ class Recorder(TorchDispatchMode):
             self.add("GEMM", self.gemm(args[-2], args[-1], out))
         elif ATTENTION in name:
             positions = lambda t: "(" + ", ".join(self.names.size(n, prefer) for n, prefer in
-                                                  zip(t.shape, [("b",), ("heads/t", "kv_heads/t", "heads"), ("s",), ("hd",)])) + ")"
+                                                  zip(t.shape,
+                                                      [("b",), ("heads/t", "kv_heads/t", "heads"),
+                                                       ("s",), ("hd",)])) + ")"
             self.add("attention", f"q {positions(args[0])}, k and v {positions(args[1])}"
                      + (" (backward)" if "backward" in name else ""))
         elif name.startswith("aten.embedding."):
@@ -149,7 +166,8 @@ class Recorder(TorchDispatchMode):
         return out
 
     def add(self, kind, text):
-        """An event; when its op touched no parameter, its section is that of the next op that does."""
+        """An event; when its op touched no parameter, its section is that of the next op that
+        does."""
         self.events.append([self.phase(), self.section, kind, text])
         if not self.touched:
             self.pending.append(self.events[-1])
@@ -166,12 +184,13 @@ class Recorder(TorchDispatchMode):
             GATHERS.get(self.layout, "") if gather else \
             next((CARRIES[(self.layout, phase, w)] for w in width.split("=")
                   if (self.layout, phase, w) in CARRIES), "")
-        text = (f"{group}: " + (f"{width} per token = " if per_token else "") + f"{tensor.numel():,} elements"
+        text = (f"{group}: " + (f"{width} per token = " if per_token else "")
+                + f"{tensor.numel():,} elements"
                 + (f"  [{carries}]" if carries else ""))
         if self.phase() == "recompute" and phase == "fwd":
             phase = "recompute"
-        # a collective belongs to the op before it (the partial sums it reduces), BTP's gather of the
-        # residual stream to the head after it
+        # a collective belongs to the op before it (the partial sums it reduces), BTP's gather of
+        # the residual stream to the head after it
         self.events.append([phase, "stage boundary" if op == "send" else self.section, op, text])
         if op == "all_gather":
             self.pending.append(self.events[-1])
@@ -194,7 +213,8 @@ def record(model, x, y, names, layout, pipe=None, ddp=None):
     LEDGER.listener = lambda op, group, phase, t: recorder.collective(op, group, phase, t, tokens)
     saved = SectionBytes(model, recorder)
     try:
-        with saved, recorder, kernels.reference():   # (the fused kernels compute what the references do)
+        # (the fused kernels compute what the references do)
+        with saved, recorder, kernels.reference():
             run_step(model, x, y, pipe, ddp)
     finally:
         LEDGER.listener = None
@@ -210,7 +230,8 @@ class SectionBytes(checkpointing.SavedBytes):
         self.recorder, self.by_section = recorder, {}
 
     def pack(self, t):
-        if self.recorder.param(t) is not None:   # a parameter (under --dp_shard, as FSDP2 gathered it)
+        # a parameter (under --dp_shard, as FSDP2 gathered it)
+        if self.recorder.param(t) is not None:
             return t
         storage = t.untyped_storage()
         if storage.data_ptr() not in self.params and storage.data_ptr() not in self.storages:
@@ -238,7 +259,8 @@ def layer_view(events):
         lines += [f"    {line}" for line in body]
     for (phase, _), (same, _) in first_layer.items():
         if len(same) > 1:
-            lines.append(f"  {phase} · layers {same[0]}..{same[-1]}: the same ops, shapes and collectives each")
+            lines.append(f"  {phase} · layers {same[0]}..{same[-1]}: the same ops, shapes and "
+                         f"collectives each")
     return lines
 
 
@@ -246,7 +268,8 @@ def totals(counts, saved, flops, tokens, names):
     """The per-step totals of one rank, and the numbers the tests compare."""
     lines = []
     for (op, group, phase), (elements, nbytes, calls) in sorted(counts.items()):
-        lines.append(f"  {group:<3} {op} {phase}: {calls} calls, {elements:,} elements ({nbytes:,} bytes)")
+        lines.append(f"  {group:<3} {op} {phase}: {calls} calls, {elements:,} elements ({nbytes:,} "
+                     f"bytes)")
     if not counts:
         lines.append("  no collectives")
     lines.append(f"  FLOPs on this rank: {flops:,}; saved for backward: {saved.bytes:,} bytes "
@@ -260,7 +283,8 @@ def totals(counts, saved, flops, tokens, names):
 
 
 def unnamed_length(cfg, b):
-    """A sequence length s <= block_size whose b·s and s name no model size, so shapes read clearly."""
+    """A sequence length s <= block_size whose b·s and s name no model size, so shapes read
+    clearly."""
     sizes = set(Names(cfg, 1, 1, 1).names) | {cfg.n_embd // 2, cfg.n_embd // 4, cfg.attn_rank // 2}
     for s in (7, 5, 9, 11, 13, 6, 3, 10, 12, 14, 15, 4, 2):
         if s <= cfg.block_size and s not in sizes and b * s not in sizes:
@@ -275,18 +299,21 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
     from model import Config, Llama
     rows = []
     for n_layer in (1, 2):
-        c = Config(**{**cfg.shape(), "arch": arch, "n_layer": n_layer, "lax": cfg.lax and arch != "full",
+        c = Config(**{**cfg.shape(), "arch": arch, "n_layer": n_layer,
+                      "lax": cfg.lax and arch != "full",
                       "mlp_gate": cfg.mlp_gate if arch == cfg.arch else "auto"})
         torch.manual_seed(0)
         model = layouts.TPLlama(Llama(c), tp, layout, recompute=recompute)
         model.to(device)   # on the run's device: NCCL takes no CPU tensors
-        x = torch.randint(0, c.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
+        x = torch.randint(0, c.vocab_size, (b, s),
+                          generator=torch.Generator().manual_seed(0)).to(device)
         _, counts, saved, flops = record(model, x, x, Names(c, tp.size, b, s), layout)
         tp_counts = {k: v for k, v in counts.items() if k[1] == "tp"}
         rows.append([sum(v[0] for k, v in tp_counts.items() if k[2] == "fwd"),
                      sum(v[0] for k, v in tp_counts.items() if k[2] == "bwd"),
                      sum(v[2] for v in tp_counts.values()), saved.bytes, flops])
-    return [(two - one) / (b * s) if i != 2 else two - one for i, (one, two) in enumerate(zip(*rows))]
+    return [(two - one) / (b * s) if i != 2 else two - one
+            for i, (one, two) in enumerate(zip(*rows))]
 
 
 def comparison(cfg, tc, tp, layout, b, s, device):
@@ -294,37 +321,44 @@ def comparison(cfg, tc, tp, layout, b, s, device):
     low = cfg.arch if cfg.lowrank else "cola"
     cases = [("megatron", "full"), ("vanilla", low), ("btp", low)]
     lax = " (LaX: layer 1, which crosses, minus layer 0)" if cfg.lax else ""
-    lines = [f"  one layer at this width (d={cfg.n_embd}, r={cfg.attn_rank}, tp={tp.size}), per token, measured{lax}:",
-             "  layout    arch  TP elements fwd  bwd   collectives  saved bytes  FLOPs on this rank"]
+    lines = [f"  one layer at this width (d={cfg.n_embd}, r={cfg.attn_rank}, tp={tp.size}), per "
+             f"token, measured{lax}:",
+             "  layout    arch  TP elements fwd  bwd   collectives  saved bytes  "
+             "FLOPs on this rank"]
     for name, arch in cases:
         recompute = tc.recompute if not (tc.recompute == "lowrank" and arch == "full") else "none"
         fwd, bwd, calls, saved, flops = per_layer(cfg, name, arch, tp, recompute, b, s, device)
-        lines.append(f"  {name:<9} {arch:<5} {fwd:>15,.0f} {bwd:>4,.0f} {calls:>12} {saved:>12,.0f} {flops:>19,.0f}"
+        lines.append(f"  {name:<9} {arch:<5} {fwd:>15,.0f} {bwd:>4,.0f} {calls:>12} "
+                     f"{saved:>12,.0f} {flops:>19,.0f}"
                      + ("   <- this run's layout" if name == layout else ""))
     return lines
 
 
 def main(plan, place, model):
-    """--explain=true: one recorded step of the model train.py built for this rank (placement.Placement
-    says where it sits), printed by rank 0; nothing else runs and no file is written."""
+    """--explain=true: one recorded step of the model train.py built for this rank
+    (placement.Placement says where it sits), printed by rank 0; nothing else runs and no file is
+    written."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     cfg, tc, layout = plan.cfg, plan.tc, plan.layout
     world, dp, mesh, tp, device = place.world, place.dp, place.mesh, place.tp, place.device
-    coords = {name: mesh.get_local_rank(name) for name in ("dp", "pp", "tp")} if mesh is not None else {}
+    coords = {name: mesh.get_local_rank(name)
+              for name in ("dp", "pp", "tp")} if mesh is not None else {}
     rank = dist.get_rank() if world > 1 else 0
     pipe, ddp = None, None
     b = 2
     s = unnamed_length(cfg, b)
     names = Names(cfg, tc.tp, b, s)
-    x = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(tc.seed + rank)).to(device)
+    x = torch.randint(0, cfg.vocab_size, (b, s),
+                      generator=torch.Generator().manual_seed(tc.seed + rank)).to(device)
     if tc.pp > 1:  # one micro-batch, GPipe: the ops of one pass through the stages
         pipe = pipeline.Pipeline(model, mesh, 1, "gpipe", device)
-        pipe.run(x, x)        # its first run infers the shapes between stages with an extra forward:
+        pipe.run(x, x)  # its first run infers the shapes between stages with an extra forward:
         model.zero_grad(set_to_none=True)   # not recorded
-    elif dp > 1 and tc.dp_shard == "none":   # (dp_shard: FSDP2 already holds the model: dp_shard.py)
+    elif dp > 1 and tc.dp_shard == "none":  # (dp_shard: FSDP2 already holds the model: dp_shard.py)
         ddp = DDP(model, process_group=mesh.get_group("dp"))
         ddp.register_comm_hook(mesh.get_group("dp"), placement.ledger_ddp_hook)
-    events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device", pipe, ddp)
+    events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device",
+                                          pipe, ddp)
     view, sums = layer_view(events), totals(counts, saved, flops, b * s, names)
     views = [None] * world
     if world > 1:
@@ -341,11 +375,15 @@ def report(cfg, tc, place, layout, shape, views, sums, compare):
     the layouts side by side."""
     (b, s), (coords, view, _) = shape, views[0]
     where = lambda c: ", ".join(f"{k} {v}" for k, v in c.items()) or "one process"
-    print(f"explain: {cfg.arch}, {'layout ' + layout if tc.tp > 1 else 'no TP'}, dp={place.dp} pp={tc.pp} tp={tc.tp}, "
+    print(f"explain: {cfg.arch}, {'layout ' + layout if tc.tp > 1 else 'no TP'}, dp={place.dp} "
+          f"pp={tc.pp} tp={tc.tp}, "
           f"recompute={tc.recompute}, overlap={tc.overlap if tc.tp > 1 else '-'}"
-          + (f", dp_shard={tc.dp_shard}" if tc.dp_shard != "none" else "") + "; one forward and backward of "
-          f"b={b} sequences of s={s} tokens per rank" + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
-          + ", recorded (t = tp degree)" + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"
+          + (f", dp_shard={tc.dp_shard}" if tc.dp_shard != "none" else "")
+          + "; one forward and backward of "
+          f"b={b} sequences of s={s} tokens per rank"
+          + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
+          + ", recorded (t = tp degree)"
+          + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"
                                             if kernels.backend() != "torch" else ""))
     print(f"\nrank 0 ({where(coords)}), in execution order:")
     print("\n".join(view))

@@ -1,6 +1,8 @@
-"""integrity.py: a checkpoint's files are what was written, and nothing in a file from elsewhere runs.
+"""integrity.py: a checkpoint's files are what was written, and nothing in a file from elsewhere
+runs.
 
-Not in the BOOST paper (arXiv 2512.12131); what makes resuming, exporting or importing a folder safe.
+Not in the BOOST paper (arXiv 2512.12131); what makes resuming, exporting or importing a folder
+safe.
 
 Checksums. meta.json records the size and CRC-32 of every file of a checkpoint (the ranks checksum
 the files between them) and a CRC-32 of its own other fields; `verify` checks them before a
@@ -43,7 +45,8 @@ from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
     TensorProperties, TensorStorageMetadata)
 
-from plumbing.data import crc32   # noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
+# noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
+from plumbing.data import crc32
 
 # ------------------------------------------------------------------------ .metadata, read as data
 
@@ -210,7 +213,8 @@ class Planner(DefaultLoadPlanner):
     """DCP's default load planner, except that an item stored as pickled bytes is refused."""
 
     def load_bytes(self, read_item, value):
-        raise pickle.UnpicklingError(f"{read_item.dest_index.fqn} is stored as pickled bytes, which this project "
+        raise pickle.UnpicklingError(f"{read_item.dest_index.fqn} is stored as pickled bytes, "
+                                     f"which this project "
                                      "never writes and never unpickles")
 
 
@@ -226,9 +230,11 @@ def dcp_load(state, path, files, no_dist):
     reader = Reader(path, {name: f["bytes"] for name, f in files.items()})
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)   # one process means no process group: we know
+            # one process means no process group: we know
+            warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, planner=Planner(), no_dist=no_dist)
-    except (Exception, CheckpointException) as e:   # corrupt files: any error of DCP or of unpickling
+    # corrupt files: any error of DCP or of unpickling
+    except (Exception, CheckpointException) as e:
         why = reader.refused or type(e).__name__
         return f".metadata or a shard is unreadable or corrupt ({why})"
     finally:
@@ -243,7 +249,8 @@ class Damaged(ValueError):
 
 
 def meta_crc32(record):
-    """The checksum meta.json carries of its own other fields (an edited or damaged meta.json fails it)."""
+    """The checksum meta.json carries of its own other fields (an edited or damaged meta.json fails
+    it)."""
     return f"{zlib.crc32(json.dumps(record, sort_keys=True).encode()):08x}"
 
 
@@ -258,12 +265,13 @@ def map_over_ranks(names, fn):
 
 
 def check_meta(path, meta):
-    """Damaged unless meta.json (read into `meta`; its checksum field is taken out) is as written and
-    names its own folder's iteration."""
+    """Damaged unless meta.json (read into `meta`; its checksum field is taken out) is as written
+    and names its own folder's iteration."""
     if meta.pop("meta_crc32", None) != meta_crc32(meta):
         raise Damaged("meta.json fails its checksum (edited or damaged)")
     if meta.get("iter_num") != int(os.path.basename(path)[len("iter_"):]):
-        raise Damaged(f"meta.json says iteration {meta.get('iter_num')!r}, the folder is {os.path.basename(path)}")
+        raise Damaged(f"meta.json says iteration {meta.get('iter_num')!r}, the folder is "
+                      f"{os.path.basename(path)}")
 
 
 def _size_problem(path, name, want):

@@ -17,41 +17,49 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 import checkpointing
-from plumbing import data
-from plumbing.tokenizer import load as load_tokenizer
 import dp_shard
 import kernels
-import layouts
 import prepare
-from plumbing import train_state
+import sharding
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
+from plumbing import data, train_state
+from plumbing.tokenizer import load as load_tokenizer
 
 
 @dataclass
 class TrainConfig:
-    # I/O
+    # --- I/O
     out_dir: str = "out"
     eval_interval: int = 250       # evaluate and save a checkpoint every this many iterations
     log_interval: int = 10
     eval_iters: int = 20           # batches per split in each evaluation
-    init_from: str = "scratch"     # scratch | resume (the newest good checkpoint) | auto (resume if one exists)
-    overwrite: bool = False        # with scratch: discard the out_dir's earlier run (its checkpoints and metrics)
+    # scratch | resume (the newest good checkpoint) | auto (resume if one exists)
+    init_from: str = "scratch"
+    # with scratch: discard the out_dir's earlier run (its checkpoints and metrics)
+    overwrite: bool = False
     keep_checkpoints: int = 2      # complete checkpoints kept in <out_dir>/checkpoints
-    inject_fault: str = ""         # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
-    explain: bool = False          # run one recorded step, print what every rank computes and sends, exit (explain.py)
-    profile: str = ""              # W:A: after W steps of the run, trace A steps to <out_dir>/trace/rank<N>.json
-    tensorboard: bool = False      # also write the metrics to <out_dir>/tensorboard (torch.utils.tensorboard)
-    # data
-    dataset: str = data.EMBEDDED   # 'pydoc' (Python's help text, embedded), or text / JSON Lines / .gz files or a folder
-    tokenizer: str = "bytes"       # bytes (offline) | gpt2 (tiktoken's) | a tokenizer.json, .model or folder
+    # for tests: kill:N, nan:N (not with pp) or kill_in_save:N (first attempt only)
+    inject_fault: str = ""
+    # run one recorded step, print what every rank computes and sends, exit (explain.py)
+    explain: bool = False
+    # W:A: after W steps of the run, trace A steps to <out_dir>/trace/rank<N>.json
+    profile: str = ""
+    # also write the metrics to <out_dir>/tensorboard (torch.utils.tensorboard)
+    tensorboard: bool = False
+    # --- data
+    # 'pydoc' (Python's help text, embedded), or text / JSON Lines / .gz files or a folder
+    dataset: str = data.EMBEDDED
+    # bytes (offline) | gpt2 (tiktoken's) | a tokenizer.json, .model or folder
+    tokenizer: str = "bytes"
     data_dir: str = "data"         # where prepared token files are kept
     num_proc: int = 0              # processes preparing a corpus; 0: every CPU (prepare.py)
-    val_fraction: float = 0.1      # share of the documents held out (of the ~16 KiB pieces, for one text file)
+    # share of the documents held out (of the ~16 KiB pieces, for one text file)
+    val_fraction: float = 0.1
     text_field: str = "text"       # the field of a JSON line that holds its text
     batch_size: int = 16           # sequences per micro-step per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-steps per iteration, in total over the dp ranks
-    # AdamW and the cosine schedule
+    # --- AdamW and the cosine schedule
     learning_rate: float = 3e-3
     max_iters: int = 2000
     weight_decay: float = 0.1
@@ -61,19 +69,21 @@ class TrainConfig:
     warmup_iters: int = 100
     lr_decay_iters: int = 0        # 0: max_iters
     min_lr: float = 3e-4
-    # parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
+    # --- parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
     layout: str = "auto"           # auto (btp, or megatron for full) | btp | vanilla | megatron
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
     pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
-    recompute: str = "none"        # activation checkpointing: none | layer | lowrank (checkpointing.py)
-    kernels: str = "auto"          # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
-    overlap: bool = True           # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
-    dp_shard: str = "none"         # none (DDP) | grad (FSDP2, ZeRO-2 style) | full (ZeRO-3 style): dp_shard.py
-    # system
+    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (checkpointing.py)
+    kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
+    # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
+    overlap: bool = True
+    # none (DDP) | grad (FSDP2, ZeRO-2 style) | full (ZeRO-3 style): dp_shard.py
+    dp_shard: str = "none"
+    # --- system
     device: str = "auto"           # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"            # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
+    dtype: str = "auto"  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
     compile: bool = False
     seed: int = 1337
     peak_tflops: float = 0.0       # your device's peak, for MFU; 0: report TFLOP/s only
@@ -82,8 +92,10 @@ class TrainConfig:
 
 
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
-           "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"), "layout": ("auto",) + layouts.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"), "kernels": kernels.BACKENDS,
+           "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
+           "layout": ("auto",) + sharding.LAYOUTS,
+           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"),
+           "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES}
 FAULTS = ("kill", "nan", "kill_in_save")
 
@@ -99,23 +111,42 @@ def _convert(where, typ, text):
     try:
         return typ(text)
     except ValueError:
-        raise ValueError(f"{where} expects {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+        raise ValueError(f"{where} expects {'an integer' if typ is int else 'a number'}, got "
+                         f"{text!r}") from None
 
 
 def options():
-    """Every command-line option: name -> (dataclass, field). vocab_size comes from the tokeniser."""
-    return {f.name: (cls, f) for cls in (Config, TrainConfig) for f in fields(cls) if f.name != "vocab_size"}
+    """Every command-line option: name -> (dataclass, field). vocab_size comes from the
+    tokeniser."""
+    return {f.name: (cls, f) for cls in (Config, TrainConfig) for f in fields(cls)
+            if f.name != "vocab_size"}
+
+
+def notes(cls):
+    """{field: its comment in the dataclass}: the one after it on its line, or the lines just above
+    it (a `# ---` line heads a section)."""
+    out, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"^\s+(\w+): \w+ = [^#]*(#\s*(.*))?$", line)
+        if field:
+            out[field.group(1)] = field.group(3) or " ".join(above)
+            above = []
+        elif line.strip().startswith("# ") and not line.strip().startswith("# ---"):
+            above.append(line.strip()[2:])
+        else:
+            above = []
+    return out
 
 
 def usage():
     """Every option with its default and the comment it has in its dataclass."""
     lines = ["usage: [torchrun ...] train.py [config.toml] [--key=value ...]", "",
-             "A config file (configs/*.toml: the papers' models) sets options as `key = value` lines, with",
-             "the names below; options on the command line override it.", ""]
+             "A config file (configs/*.toml: the papers' models) sets options as `key = value`",
+             "lines, with the names below; options on the command line override it.", ""]
     for cls, title in ((Config, "model"), (TrainConfig, "training")):
-        notes = dict(re.findall(r"^\s+(\w+): \w+ = [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+        note = notes(cls)
         lines.append(f"{title} options (default):")
-        lines += [(f"  --{f.name}={f.default}".ljust(34) + notes.get(f.name, "")).rstrip()
+        lines += [(f"  --{f.name}={f.default}".ljust(34) + note.get(f.name, "")).rstrip()
                   for f in fields(cls) if f.name != "vocab_size"]
     return "\n".join(lines)
 
@@ -128,12 +159,14 @@ def _unknown(key, known, where):
         return ValueError(f"{where}{'--' if not where else ''}{key} is now --{RENAMED[key]}: pass "
                           f"--{RENAMED[key]}=... instead")
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else " (-h lists them)"
+    hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else \
+        " (-h lists them)"
     return ValueError(f"{where}unknown option {'--' if not where else ''}{key}{hint}")
 
 
 def read_config_file(path, known):
-    """{option: text} from a TOML file of `option = value` lines (configs/), checked like the command line."""
+    """{option: text} from a TOML file of `option = value` lines (configs/), checked like the
+    command line."""
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)
@@ -146,7 +179,8 @@ def read_config_file(path, known):
     out = {}
     for key, value in table.items():
         if isinstance(value, dict):
-            raise ValueError(f"{path}: [{key}] is a section; write `option = value` lines, without sections")
+            raise ValueError(f"{path}: [{key}] is a section; write `option = value` lines, without "
+                             f"sections")
         if key not in known:
             raise _unknown(key, known, f"{path}: ")
         if isinstance(value, list):
@@ -156,10 +190,13 @@ def read_config_file(path, known):
 
 
 # options of one launch, never taken from the record of the run a launch resumes
-PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "layout", "pp_schedule",
-              "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault", "num_proc", "data_dir",
+PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "layout",
+              "pp_schedule",
+              "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault",
+              "num_proc", "data_dir",
               "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens"}
-NOTED = ("dataset", "seed", "tokenizer", "text_field", "val_fraction")   # a resume says when these change
+# a resume says when these change
+NOTED = ("dataset", "seed", "tokenizer", "text_field", "val_fraction")
 
 
 def parse_args(argv):
@@ -203,7 +240,8 @@ def _parse(argv, recorded):
     known, texts, given = options(), {}, {Config: {}, TrainConfig: {}}
     if argv and not argv[0].startswith("-"):
         if not argv[0].endswith(".toml"):
-            raise ValueError(f"expected a config file (.toml) or --key=value, got {argv[0]!r} (-h lists the options)")
+            raise ValueError(f"expected a config file (.toml) or --key=value, got {argv[0]!r} (-h "
+                             f"lists the options)")
         texts = {k: (v, f"{argv[0]}: {k}") for k, v in read_config_file(argv[0], known).items()}
         argv = argv[1:]
     for arg in argv:
@@ -230,15 +268,18 @@ def _parse(argv, recorded):
 
 
 def check_values(tc):
-    """Every training value in its range (ValueError naming the option): nothing starts otherwise."""
-    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters", "tp", "pp",
+    """Every training value in its range (ValueError naming the option): nothing starts
+    otherwise."""
+    for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
+                 "eval_iters", "tp", "pp",
                  "keep_checkpoints", "timeout_s"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
     for name in ("max_iters", "dp", "warmup_iters", "lr_decay_iters", "seed", "sample_tokens"):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
-    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1", "beta2"):
+    for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1",
+                 "beta2"):
         if not math.isfinite(getattr(tc, name)):
             raise ValueError(f"{name}={getattr(tc, name)} must be a finite number")
     if tc.seed >= 2 ** 63:   # (torch.manual_seed takes a signed 64-bit integer)
@@ -249,26 +290,32 @@ def check_values(tc):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     if tc.min_lr > tc.learning_rate:
-        raise ValueError(f"min_lr={tc.min_lr} is above learning_rate={tc.learning_rate}: the schedule decays "
+        raise ValueError(f"min_lr={tc.min_lr} is above learning_rate={tc.learning_rate}: the "
+                         f"schedule decays "
                          "from learning_rate to min_lr, so lower --min_lr")
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 0 and below 1")
     if 0 < tc.lr_decay_iters < tc.warmup_iters:
-        raise ValueError(f"lr_decay_iters={tc.lr_decay_iters} ends before warmup_iters={tc.warmup_iters}")
+        raise ValueError(f"lr_decay_iters={tc.lr_decay_iters} ends before "
+                         f"warmup_iters={tc.warmup_iters}")
     if tc.inject_fault and not re.fullmatch(f"({'|'.join(FAULTS)}):\\d+", tc.inject_fault):
         raise ValueError(f"inject_fault={tc.inject_fault} is not kill:N, nan:N or kill_in_save:N")
     if tc.profile:
         wait, _, active = tc.profile.partition(":")
         if not (wait.isdigit() and active.isdigit() and int(active) > 0):
-            raise ValueError(f"profile={tc.profile} is not W:A (wait W steps, then record A > 0 steps), e.g. 2:3")
+            raise ValueError(f"profile={tc.profile} is not W:A (wait W steps, then record A > 0 "
+                             f"steps), e.g. 2:3")
         if int(wait) + int(active) > tc.max_iters:
-            raise ValueError(f"profile={tc.profile} records steps {int(wait) + 1}..{int(wait) + int(active)}, "
+            last = int(wait) + int(active)
+            raise ValueError(f"profile={tc.profile} records steps {int(wait) + 1}..{last}, "
                              f"past max_iters={tc.max_iters}")
         if tc.explain:
-            raise ValueError("explain=true runs one step and exits: there is nothing for profile to trace")
+            raise ValueError("explain=true runs one step and exits: there is nothing for profile "
+                             "to trace")
     if tc.overwrite and tc.init_from != "scratch":
-        raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} continues it: choose one")
+        raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} "
+                         f"continues it: choose one")
     prepare.check_preparation(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
     if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
         raise ValueError(f"out_dir={tc.out_dir} is a file, not a folder")
@@ -282,64 +329,14 @@ def check_device(device):
     if not re.fullmatch(r"cuda(:\d+)?", device):
         raise ValueError(f"device={device} is not auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise ValueError(f"device={device} but this machine has no CUDA device (use --device=cpu or auto)")
+        raise ValueError(f"device={device} but this machine has no CUDA device (use --device=cpu "
+                         f"or auto)")
     if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-        raise ValueError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA devices")
+        raise ValueError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA "
+                         f"devices")
 
 
 def vocab_size(tokenizer):
-    """The model's vocabulary: the tokenizer's, padded to a multiple of 64 (fast, divisible by tp)."""
+    """The model's vocabulary: the tokenizer's, padded to a multiple of 64 (fast, divisible by
+    tp)."""
     return 64 * math.ceil(load_tokenizer(tokenizer).n_vocab / 64)
-
-
-@dataclass
-class Plan:
-    """A run as resolved once, before any work, from its options and its world size: every later
-    step (placement.py, train.py, explain.py) reads these and resolves nothing again."""
-    cfg: Config
-    tc: TrainConfig
-    world: int      # processes (torchrun's WORLD_SIZE)
-    dp: int         # data-parallel degree: world / (tp · pp) unless --dp gives it
-    layout: str     # btp | vanilla | megatron (auto: btp for low-rank, megatron for dense)
-    device: str     # cpu | cuda | cuda:N (auto resolved; under torchrun each rank its own GPU)
-    dtype: str      # float32 | bfloat16 (auto: bfloat16 on a GPU that has it)
-
-
-def plan(cfg, tc, world):
-    """The run's Plan; ValueError where the layout cannot split the model, the world does not
-    factor into dp × pp × tp, or the recompute mode does not apply."""
-    dp = tc.dp or max(1, world // (tc.tp * tc.pp))
-    if dp * tc.pp * tc.tp != world:
-        raise ValueError(f"world size {world} is not dp × pp × tp = {dp} × {tc.pp} × {tc.tp}: "
-                         "set --dp, --pp and --tp, or torchrun --nproc_per_node")
-    if tc.gradient_accumulation_steps % dp:
-        raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not "
-                         f"divisible by the {dp} data-parallel ranks")
-    layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
-    layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
-    if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
-        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: "
-                         f"raise gradient_accumulation_steps to {tc.pp * dp} or use "
-                         "--pp_schedule=gpipe")
-    if tc.dp_shard != "none":
-        check_dp_shard(tc, dp)
-    checkpointing.check_recompute(cfg, tc.recompute)
-    device = tc.device if tc.device != "auto" else \
-        ("cuda" if torch.cuda.is_available() else "cpu")
-    return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
-
-
-def compute_dtype(tc, device):
-    """--dtype as the run computes in: auto is bfloat16 on a GPU that has it, else float32."""
-    if tc.dtype != "auto":
-        return tc.dtype
-    cuda = device.startswith("cuda") and torch.cuda.is_bf16_supported()
-    return "bfloat16" if cuda else "float32"
-
-
-def check_dp_shard(tc, dp):
-    """What --dp_shard composes with in this version (ValueError naming the rest)."""
-    if dp == 1:
-        raise ValueError(f"dp_shard={tc.dp_shard} shards over the data-parallel ranks, and this run has dp=1")
-    if tc.compile:   # (FSDP2 under torch.compile wants per-layer compilation: not built, not tested)
-        raise ValueError(f"dp_shard={tc.dp_shard} does not compose with compile=true yet; dp_shard=none does")

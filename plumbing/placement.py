@@ -29,7 +29,8 @@ class Placement:
     dp: int
     device: str
     mesh: object = None
-    tp: parallel.TPGroup = field(default_factory=lambda: parallel.TPGroup(None, 0, 1))   # a group of one
+    # a group of one
+    tp: parallel.TPGroup = field(default_factory=lambda: parallel.TPGroup(None, 0, 1))
     dp_rank: int = 0
     pp_rank: int = 0
     host_group: object = None   # gloo, over every rank, whatever the device
@@ -38,7 +39,8 @@ class Placement:
         return self.mesh.get_group(name) if self.mesh is not None else None
 
     @property
-    def ckpt_mesh(self):  # a stage's tensors are sharded over its own (dp, tp) ranks in a checkpoint
+    # a stage's tensors are sharded over its own (dp, tp) ranks in a checkpoint
+    def ckpt_mesh(self):
         return self.mesh["dp", "tp"] if self.mesh is not None else None
 
 
@@ -54,9 +56,12 @@ def place_processes(plan):
         torch.cuda.set_device(device)
     mesh = init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
     tp = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
-    kernels.agree_over(mesh.get_group("tp"), mesh.get_group("dp"))   # a stage's ranks choose kernels alike
-    host = dist.new_group(backend="gloo")   # CPU-side agreements (interrupts) that must not wait for the GPU
-    return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), host)
+    # a stage's ranks choose kernels alike
+    kernels.agree_over(mesh.get_group("tp"), mesh.get_group("dp"))
+    # CPU-side agreements (interrupts) that must not wait for the GPU
+    host = dist.new_group(backend="gloo")
+    return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"),
+                     mesh.get_local_rank("pp"), host)
 
 
 def build_model(plan, place):
@@ -166,16 +171,18 @@ def init_mesh(dp, tp, device_type, timeout_s, pp=1):
     ranks, on one node), then PP, then DP."""
     from torch.distributed.device_mesh import init_device_mesh
     if not dist.is_initialized():
-        backend, timeout = ("nccl" if device_type == "cuda" else "gloo"), timedelta(seconds=timeout_s)
+        backend, timeout = ("nccl" if device_type == "cuda"
+                            else "gloo"), timedelta(seconds=timeout_s)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-            # torchrun's store outlives a restarted worker group, and so do the old group's addresses
-            # in it: each attempt keeps its keys under its own prefix, or peers dial dead processes.
-            # The attempt is counted in the store itself (the restart count is per node).
+            # torchrun's store outlives a restarted worker group, and so do the old group's
+            # addresses in it: each attempt keeps its keys under its own prefix, or peers dial dead
+            # processes. The attempt is counted in the store itself (the restart count is per node).
             world = int(os.environ["WORLD_SIZE"])
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   is_master=False, timeout=timeout)
             attempt = (store.add("boost/arrivals", 1) - 1) // world
-            dist.init_process_group(backend, store=dist.PrefixStore(f"boost/attempt{attempt}", store),
+            dist.init_process_group(backend,
+                                    store=dist.PrefixStore(f"boost/attempt{attempt}", store),
                                     rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)

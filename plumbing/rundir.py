@@ -78,7 +78,8 @@ def lock(out_dir):
         raise ValueError(f"out_dir {out_dir} is in use by a live run ({owner}): wait for it to end "
                          "or choose another --out_dir") from None
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {os.uname().nodename}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}, started {started}\n")
     f.flush()
     return f
 
@@ -108,7 +109,8 @@ def earlier_run(out_dir):
 
 
 def _restarted_job(out_dir):
-    """True when torchrun restarted this job (--max-restarts) and out_dir is its own first attempt's."""
+    """True when torchrun restarted this job (--max-restarts) and out_dir is its own first
+    attempt's."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         return False
     try:
@@ -122,12 +124,15 @@ def check_scratch(out_dir, overwrite):
     """Before a run from scratch: ValueError if out_dir holds an earlier run (unless overwrite)."""
     found = earlier_run(out_dir)
     if found and not overwrite and not _restarted_job(out_dir):
-        raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): continue it with "
-                         "--init_from=resume, choose another --out_dir, or discard it with --overwrite=true")
+        raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): "
+                         f"continue it with "
+                         "--init_from=resume, choose another --out_dir, or discard it with "
+                         "--overwrite=true")
 
 
 def discard(out_dir):
-    """--overwrite: remove what an earlier run wrote (checkpoints/iter_*, metrics.jsonl, run.json)."""
+    """--overwrite: remove what an earlier run wrote (checkpoints/iter_*, metrics.jsonl,
+    run.json)."""
     for d in _checkpoint_folders(out_dir):
         shutil.rmtree(d)
     for name in ("metrics.jsonl", "run.json"):
@@ -197,7 +202,8 @@ class Metrics:
 
 
 class Interrupt:
-    """SIGINT and SIGTERM handlers: the first asks the loop to save and stop, the second stops now."""
+    """SIGINT and SIGTERM handlers: the first asks the loop to save and stop, the second stops
+    now."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -216,7 +222,8 @@ class Interrupt:
             sys.stdout.flush()
             os._exit(128 + signum)
         self.signum = signum
-        self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops at once)")
+        self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops "
+                 f"at once)")
 
     def agreed(self, group):
         """The signal number if a rank was interrupted, else 0; called once a step by every rank.
@@ -227,7 +234,8 @@ class Interrupt:
             return self.signum
         result = self.settle()
         flag = torch.tensor([self.signum])
-        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                        flag)
         return result
 
     def settle(self):
@@ -261,9 +269,9 @@ def duration(seconds):
 
 
 def profiler(spec, out_dir, rank, log, steps=None):
-    """--profile=W:A: a started torch.profiler.profile that records A steps after the first W of this
-    run (train.py calls .step() after each) and writes <out_dir>/trace/rank<N>.json; None without it.
-    `steps`: how many this run will train (a resumed run may train fewer than W + A)."""
+    """--profile=W:A: a started torch.profiler.profile that records A steps after the first W of
+    this run (train.py calls .step() after each) and writes <out_dir>/trace/rank<N>.json; None
+    without it. `steps`: how many this run will train (a resumed run may train fewer than W + A)."""
     if not spec:
         return None
     wait, active = (int(n) for n in spec.split(":"))
@@ -273,10 +281,12 @@ def profiler(spec, out_dir, rank, log, steps=None):
     def write(prof):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         prof.export_chrome_trace(path)
-        log(f"profile: wrote {os.path.join(out_dir, 'trace')}/rank<N>.json ({held} steps after the first {wait} of "
+        log(f"profile: wrote {os.path.join(out_dir, 'trace')}/rank<N>.json ({held} steps after the "
+            f"first {wait} of "
             "this run); open one in https://ui.perfetto.dev or chrome://tracing")
     prof = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=max(wait - 1, 0), warmup=min(wait, 1), active=active, repeat=1),
+        schedule=torch.profiler.schedule(wait=max(wait - 1, 0), warmup=min(wait, 1), active=active,
+                                         repeat=1),
         on_trace_ready=write, record_shapes=True)
     prof.start()
     return prof

@@ -39,15 +39,18 @@ def need(package, what):
 
 
 def locate(name):
-    """(kind, file) of a tokenizer path: ("hf", tokenizer.json) or ("spm", a .model); ValueError else."""
+    """(kind, file) of a tokenizer path: ("hf", tokenizer.json) or ("spm", a .model); ValueError
+    else."""
     p = Path(name)
     if p.is_dir():
         found = [p / "tokenizer.json", p / "tokenizer.model", *sorted(p.glob("*.model"))]
         p = next((f for f in found if f.is_file()), None)
         if p is None:
-            raise ValueError(f"tokenizer={name} is a folder without a tokenizer.json or a SentencePiece .model")
+            raise ValueError(f"tokenizer={name} is a folder without a tokenizer.json or a "
+                             f"SentencePiece .model")
     elif not p.is_file():
-        raise ValueError(f"tokenizer={name} is not one of {', '.join(NAMES)}, nor a tokenizer file or folder")
+        raise ValueError(f"tokenizer={name} is not one of {', '.join(NAMES)}, nor a tokenizer file "
+                         f"or folder")
     return ("spm" if p.suffix == ".model" else "hf"), p
 
 
@@ -58,7 +61,8 @@ _IDENTITY, _LOADED = {}, {}
 
 
 def _state(name):
-    """What identifies the tokenizer `name` now: its name, or its file's path, size, mtime, inode."""
+    """What identifies the tokenizer `name` now: its name, or its file's path, size, mtime,
+    inode."""
     if name in NAMES:
         return name
     path = locate(name)[1].resolve()
@@ -67,7 +71,8 @@ def _state(name):
 
 
 def identity(name):
-    """`bytes`, `gpt2`, or the kind and a hash of the file: what token files and checkpoints record."""
+    """`bytes`, `gpt2`, or the kind and a hash of the file: what token files and checkpoints
+    record."""
     if name in NAMES:
         return name
     key = _state(name)
@@ -82,8 +87,8 @@ def _digest(path):
 
 
 def load(name):
-    """The tokenizer `name` names (see the module's docstring), loaded once a process (while its file
-    is unchanged); ValueError in one line where it cannot."""
+    """The tokenizer `name` names (see the module's docstring), loaded once a process (while its
+    file is unchanged); ValueError in one line where it cannot."""
     key = _state(name)
     if key not in _LOADED:
         _LOADED[key] = _load(name)
@@ -94,21 +99,24 @@ def _load(name):
     if name == "bytes":
         import tiktoken
         ranks = {bytes([i]): i for i in range(256)}
-        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks, special_tokens={EOT: 256})
+        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                                 special_tokens={EOT: 256})
     if name == "gpt2":
         import tiktoken
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception as e:  # network or cache failure inside tiktoken
             raise ValueError(f"cannot load the GPT-2 vocabulary ({type(e).__name__}); set "
-                             "TIKTOKEN_CACHE_DIR to a tiktoken cache or use --tokenizer=bytes") from None
+                             "TIKTOKEN_CACHE_DIR to a tiktoken cache or use "
+                             "--tokenizer=bytes") from None
     kind, path = locate(name)
     try:
         return (SentencePiece if kind == "spm" else HuggingFace)(path)
     except ValueError:
         raise
     except Exception as e:   # the library's own complaint about a damaged or foreign file
-        raise ValueError(f"cannot read the tokenizer {path} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        raise ValueError(f"cannot read the tokenizer {path} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]})") from None
 
 
 def continued(enc):
@@ -120,7 +128,8 @@ def _no_prefix(spec):
     """A tokenizer.json's dict without the "▁" it prepends to a text: Prepend normalizers dropped,
     Metaspace pre-tokenizers and decoders set to prepend never (LLaMA's and T5's tokenizer.json)."""
     if isinstance(spec, list):
-        return [_no_prefix(x) for x in spec if not (isinstance(x, dict) and x.get("type") == "Prepend")]
+        return [_no_prefix(x) for x in spec
+                if not (isinstance(x, dict) and x.get("type") == "Prepend")]
     if not isinstance(spec, dict):
         return spec
     out = {k: _no_prefix(v) for k, v in spec.items()}
@@ -150,7 +159,8 @@ class HuggingFace:
             raise ValueError(f"the eos_token {configured!r} of {config} is not in the vocabulary "
                              f"of {path}")
         if eos is None:
-            raise ValueError(f"cannot tell the end-of-document token of {path}: put a tokenizer_config.json "
+            raise ValueError(f"cannot tell the end-of-document token of {path}: put a "
+                             f"tokenizer_config.json "
                              "with its eos_token beside it")
         self.eos, self.eot_token = eos, self.tok.token_to_id(eos)
 
@@ -181,15 +191,18 @@ def _configured_eos(path):
 
 
 class SentencePiece:
-    """A SentencePiece .model through the `sentencepiece` package (no BOS or EOS added while encoding)."""
+    """A SentencePiece .model through the `sentencepiece` package (no BOS or EOS added while
+    encoding)."""
 
     def __init__(self, path):
         lib = need("sentencepiece", f"the tokenizer {path}")
         self.sp = lib.SentencePieceProcessor(model_file=str(path))
-        self.cont = lib.SentencePieceProcessor(model_proto=_without_dummy_prefix(self.sp.serialized_model_proto()))
+        proto = _without_dummy_prefix(self.sp.serialized_model_proto())
+        self.cont = lib.SentencePieceProcessor(model_proto=proto)
         self.n_vocab, self.eot_token = self.sp.get_piece_size(), self.sp.eos_id()
         if self.eot_token < 0:
-            raise ValueError(f"the SentencePiece model {path} has no eos piece to end documents with")
+            raise ValueError(f"the SentencePiece model {path} has no eos piece to end documents "
+                             f"with")
         self.eos = self.sp.id_to_piece(self.eot_token)
 
     def encode_ordinary(self, text):
@@ -221,7 +234,8 @@ def _put_varint(n):
 
 
 def _fields(buf):
-    """The (field number, wire type, raw bytes of the whole field) of a protobuf message, in order."""
+    """The (field number, wire type, raw bytes of the whole field) of a protobuf message, in
+    order."""
     i, out = 0, []
     while i < len(buf):
         start = i
@@ -240,7 +254,8 @@ def _fields(buf):
 
 def _without_dummy_prefix(proto):
     """A SentencePiece model (serialized ModelProto) with normalizer_spec.add_dummy_prefix = false:
-    field 3 of the model, field 3 of the spec (edited on the wire, so no protobuf package is needed)."""
+    field 3 of the model, field 3 of the spec (edited on the wire, so no protobuf package is
+    needed)."""
     out = bytearray()
     for number, kind, raw in _fields(proto):
         if number == 3 and kind == 2:
@@ -255,7 +270,8 @@ def _without_dummy_prefix(proto):
 def write_for_hf(name, folder):
     """Put the tokenizer into a Hugging Face model folder, so AutoTokenizer.from_pretrained(folder)
     (and lm_eval's hf model) needs no tokenizer argument: tokenizer.json or tokenizer.model, and a
-    tokenizer_config.json naming the class and the eos token. Nothing for bytes and gpt2 (no file)."""
+    tokenizer_config.json naming the class and the eos token. Nothing for bytes and gpt2 (no
+    file)."""
     if name in NAMES:
         return
     kind, path = locate(name)
@@ -266,14 +282,17 @@ def write_for_hf(name, folder):
     else:
         shutil.copyfile(path, Path(folder) / "tokenizer.model")
         sp = enc.sp
-        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": True,
-                  "eos_token": enc.eos, "unk_token": sp.id_to_piece(sp.unk_id()) if sp.unk_id() >= 0 else None,
+        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+                  "add_eos_token": False, "legacy": True,
+                  "eos_token": enc.eos, "unk_token": sp.id_to_piece(sp.unk_id())
+                  if sp.unk_id() >= 0 else None,
                   "bos_token": sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None}
     (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
 def in_folder(folder):
-    """The tokenizer file a model folder holds (written by write_for_hf, or a Hugging Face model's), or None."""
+    """The tokenizer file a model folder holds (written by write_for_hf, or a Hugging Face
+    model's), or None."""
     try:
         return str(locate(folder)[1])
     except ValueError:
@@ -281,8 +300,8 @@ def in_folder(folder):
 
 
 def keep(name, out_dir):
-    """A copy of a tokenizer file in out_dir/tokenizer/ (an imported run keeps using it when the folder
-    it came from is gone); its new path. bytes and gpt2 are names, kept as they are."""
+    """A copy of a tokenizer file in out_dir/tokenizer/ (an imported run keeps using it when the
+    folder it came from is gone); its new path. bytes and gpt2 are names, kept as they are."""
     if name in NAMES:
         return name
     kind, path = locate(name)
@@ -292,4 +311,5 @@ def keep(name, out_dir):
     if kind == "hf" and config.is_file():
         shutil.copyfile(config, dest / config.name)
     shutil.copyfile(path, dest / path.name)
-    return str((dest / path.name).resolve())   # (absolute: a resume from another folder still finds it)
+    # (absolute: a resume from another folder still finds it)
+    return str((dest / path.name).resolve())

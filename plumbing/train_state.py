@@ -56,18 +56,23 @@ def state_views(raw_model, optimizer, mesh, copies=None):
     from torch.distributed.tensor import DTensor, Replicate, Shard
     for p in raw_model.parameters():  # AdamW makes its state lazily: make it now, to load into
         if not optimizer.state[p]:
-            optimizer.state[p].update(step=torch.zeros(()), **{k: torch.zeros_like(p) for k in MOMENTS})
-    views, gathered = {}, {}   # gathered: under --dp_shard, (parameter, kind) -> (its shard, gathered whole)
+            optimizer.state[p].update(step=torch.zeros(()),
+                                      **{k: torch.zeros_like(p) for k in MOMENTS})
+    # gathered: under --dp_shard, (parameter, kind) -> (its shard, gathered whole)
+    views, gathered = {}, {}
     for p, name, rows, dim in _pieces(raw_model):
         for kind, tensor in [("model", p.data)] + [(k, optimizer.state[p][k]) for k in MOMENTS]:
-            if dp_shard.is_sharded(tensor):   # the file holds the TP-local tensors whole, whatever dp_shard;
-                if (id(p), kind) not in gathered:   # one copy a parameter, whose pieces view its rows
+            # the file holds the TP-local tensors whole, whatever dp_shard;
+            if dp_shard.is_sharded(tensor):
+                # one copy a parameter, whose pieces view its rows
+                if (id(p), kind) not in gathered:
                     gathered[(id(p), kind)] = (tensor, dp_shard.whole(tensor))
                 tensor = gathered[(id(p), kind)][1]
             key = "model." + name if kind == "model" else f"optim.{kind}.{name}"
             view = tensor[rows]
             if mesh is not None:
-                view = DTensor.from_local(view, mesh, [Replicate(), Replicate() if dim is None else Shard(dim)])
+                view = DTensor.from_local(view, mesh,
+                                          [Replicate(), Replicate() if dim is None else Shard(dim)])
             views[key] = view
     views["optim.step"] = optimizer.state[next(raw_model.parameters())]["step"]
     if copies is not None:   # load() writes what it read back into the shards
@@ -88,7 +93,8 @@ def _barrier():
         dist.barrier()
 
 
-def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_publish=None, discard=()):
+def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_publish=None,
+         discard=()):
     """Every rank writes its shards into iter_N.tmp and checksums its share of the files; rank 0
     records meta.json, renames, and prunes this run's older checkpoints and the corrupt ones resume
     skipped (`discard`). Returns (folder, bytes)."""
@@ -102,24 +108,30 @@ def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_pub
         os.makedirs(tmp)
     _barrier()
     try:
-        with warnings.catch_warnings():  # DCP warns that one process means no process group: we know
+        # DCP warns that one process means no process group: we know
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state_views(raw_model, optimizer, mesh), checkpoint_id=tmp, no_dist=mesh is None)
-    except (Exception, CheckpointException) as e:   # a full disk, most often (every rank fails together)
+            dcp.save(state_views(raw_model, optimizer, mesh), checkpoint_id=tmp,
+                     no_dist=mesh is None)
+    # a full disk, most often (every rank fails together)
+    except (Exception, CheckpointException) as e:
         if master:
             shutil.rmtree(tmp, ignore_errors=True)   # the half-written one would only fill the disk
-        raise ValueError(f"cannot write checkpoint {final} ({_reason(e)}); the previous checkpoints are "
+        raise ValueError(f"cannot write checkpoint {final} ({_reason(e)}); the previous "
+                         f"checkpoints are "
                          "untouched") from None
     _barrier()
-    files = integrity.map_over_ranks(sorted(os.listdir(tmp)), lambda f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
-                                                        "crc32": integrity.crc32(os.path.join(tmp, f))})
+    files = integrity.map_over_ranks(sorted(os.listdir(tmp)),
+                                     lambda f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
+                                                "crc32": integrity.crc32(os.path.join(tmp, f))})
     if before_publish:
         before_publish()  # the fault-injection hook of the tests: die before the rename
     if master:
         record = {**meta, "iter_num": iter_num, "files": files}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({**record, "meta_crc32": integrity.meta_crc32(record)}, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)  # this run's own checkpoint of this iteration, if it rolled back
+        # this run's own checkpoint of this iteration, if it rolled back
+        shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # atomic: a reader sees the old set of checkpoints or the new one
         prune(out_dir, meta.get("run_id"), iter_num, keep, discard)
     _barrier()
@@ -133,15 +145,18 @@ def _reason(e):
             break
         failures = getattr(e, "failures", None)
         e = next(iter(failures.values()))[0] if failures else (e.__cause__ or e.__context__)
-    return (e.strerror or str(e)) if isinstance(e, OSError) else "an error of torch.distributed.checkpoint"
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return "an error of torch.distributed.checkpoint"
 
 
 def prune(out_dir, run_id, iter_num, keep, discard=()):
     """Remove the checkpoints of run `run_id` older than iteration `iter_num`, but the newest keep-1
-    good ones; and the corrupt checkpoints resume skipped (`discard`), which hold nothing to resume."""
+    good ones; and the corrupt checkpoints resume skipped (`discard`), which hold nothing to
+    resume."""
     own = []
     for d in discard:
-        if os.path.basename(d) != f"iter_{iter_num:07d}":   # (not the one just written in its place)
+        if os.path.basename(d) != f"iter_{iter_num:07d}":  # (not the one just written in its place)
             shutil.rmtree(d, ignore_errors=True)
     for d in checkpoint_dirs(out_dir):
         try:
@@ -149,7 +164,8 @@ def prune(out_dir, run_id, iter_num, keep, discard=()):
                 meta = json.load(f)
         except (OSError, json.JSONDecodeError):
             continue  # not ours to judge: leave it
-        if run_id is not None and meta.get("run_id") == run_id and meta.get("iter_num", iter_num) < iter_num:
+        ours = run_id is not None and meta.get("run_id") == run_id
+        if ours and meta.get("iter_num", iter_num) < iter_num:
             own.append(d)
     for old in own[:max(0, len(own) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
@@ -163,7 +179,8 @@ def candidates(out_dir, init_from):
         return []
     found = checkpoint_dirs(out_dir)[::-1]
     if not found and init_from == "resume":
-        raise ValueError(f"--init_from=resume but there is no complete checkpoint in {out_dir}/checkpoints")
+        raise ValueError(f"--init_from=resume but there is no complete checkpoint in "
+                         f"{out_dir}/checkpoints")
     return found
 
 
@@ -205,20 +222,24 @@ def intact(found, log):
 
 
 def read_meta(path, config=(), tokenizer=None):
-    """meta.json of a checkpoint, as written (integrity.Damaged otherwise); ValueError naming the field
-    where the model's shape differs from `config` (a run's Config.shape(); none to compare: export)."""
+    """meta.json of a checkpoint, as written (integrity.Damaged otherwise); ValueError naming the
+    field where the model's shape differs from `config` (a run's Config.shape(); none to compare:
+    export)."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     integrity.check_meta(path, meta)
-    meta["config"] = llama.Config(**meta["config"]).shape()  # derived sizes filled in, as this run's are
+    # derived sizes filled in, as this run's are
+    meta["config"] = llama.Config(**meta["config"]).shape()
     same_file = tokenizer == meta.get("tokenizer")
     if same_file:   # (gone or changed is said before the vocabulary's size)
         check_tokenizer(path, meta, tokenizer)
     for key, value in dict(config).items():
         if meta["config"].get(key) != value:
             if key == "vocab_size":
-                raise ValueError(f"checkpoint {path} was written with --tokenizer={meta.get('tokenizer')} "
-                                 f"(vocabulary {meta['config'].get(key)}), this run has --tokenizer={tokenizer} "
+                raise ValueError(f"checkpoint {path} was written with "
+                                 f"--tokenizer={meta.get('tokenizer')} "
+                                 f"(vocabulary {meta['config'].get(key)}), this run has "
+                                 f"--tokenizer={tokenizer} "
                                  f"(vocabulary {value}): pass the same tokenizer")
             raise ValueError(f"checkpoint {path} was written with {key}={meta['config'].get(key)}, "
                              f"this run has {key}={value}: pass the same model options")
@@ -232,7 +253,8 @@ def check_tokenizer(path, meta, tokenizer):
     written with: the same file, unchanged, where it names a file."""
     if tokenizer is None:
         return
-    theirs = meta.get("tokenizer_id", meta.get("tokenizer"))   # (checkpoints of bytes and gpt2 named them only)
+    # (checkpoints of bytes and gpt2 named them only)
+    theirs = meta.get("tokenizer_id", meta.get("tokenizer"))
     same_file = tokenizer == meta.get("tokenizer") and tokenizer not in ("bytes", "gpt2")
     if same_file and not os.path.exists(tokenizer):
         raise ValueError(f"the tokenizer {tokenizer} that checkpoint {path} was written with is "
@@ -243,7 +265,8 @@ def check_tokenizer(path, meta, tokenizer):
                          f"written with it (it was {theirs}, it is {mine} now): put back the file "
                          "the run was trained with")
     if theirs != mine:
-        raise ValueError(f"checkpoint {path} was written with the tokenizer {theirs} ({meta.get('tokenizer')}), this "
+        raise ValueError(f"checkpoint {path} was written with the tokenizer {theirs} "
+                         f"({meta.get('tokenizer')}), this "
                          f"run's --tokenizer={tokenizer} is {mine}: pass the same tokenizer")
 
 

@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plumbing import data
+from plumbing import data, placement
 import parallel
-from plumbing import placement
 import prepare
 import train
 from model import Config

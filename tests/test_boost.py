@@ -13,14 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from plumbing import data
+from plumbing import data, integrity, options, train_state
 from plumbing.tokenizer import load as load_tokenizer
-from plumbing import integrity
 import interchange
-from plumbing import options
 import prepare
 import train
-from plumbing import train_state
 from conftest import ROOT, TINY, expect_error, group_of_one, losses, metrics, run_train, torchrun
 from model import Bottleneck, Config, Llama
 

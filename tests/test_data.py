@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plumbing import corpus
-from plumbing import data
+from plumbing import corpus, data
 import prepare
 from conftest import ROOT, TINY, expect_error, losses, metrics
 

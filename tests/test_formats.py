@@ -10,8 +10,7 @@ import pytest
 
 import interchange
 import prepare
-from plumbing import tokenizer
-from plumbing import train_state
+from plumbing import tokenizer, train_state
 from conftest import TINY, command, command_out, expect_error, metrics, torchrun
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import integrity
+from plumbing import formats, integrity, train_state
 import interchange
 import prepare
-from plumbing import train_state
 from conftest import ROOT, TINY, command, expect_error, metrics, run_train
 
 
@@ -83,7 +82,7 @@ def test_crafted_weights_file_runs_nothing_on_import(tmp_path, checkpoint):
     folder = tmp_path / "hf"
     assert tool("export", checkpoint, folder, "--format=hf")[0] == 2   # a cola model has no hf form
     cfg, state, _ = interchange.checkpoint_state(str(checkpoint))
-    interchange.write(folder, state, cfg, "cola", "bytes")
+    formats.write(folder, state, cfg, "cola", "bytes")
     assert (folder / "model.safetensors").exists() and not (folder / "pytorch_model.bin").exists()
     (folder / "model.safetensors").unlink()
     marker = tmp_path / "it_ran"
@@ -144,7 +143,7 @@ def fake_folder(folder, cfg_changes=(), drop=None, reshape=None, extra=None):
     """An hf folder of a tiny dense model, altered."""
     from model import Config, Llama
     cfg = Config(arch="full", n_layer=2, n_embd=32, n_head=4, vocab_size=320, block_size=32, mlp_gate="silu")
-    interchange.write(folder, Llama(cfg).state_dict(), cfg, "hf", "bytes")
+    formats.write(folder, Llama(cfg).state_dict(), cfg, "hf", "bytes")
     config = json.loads((folder / "config.json").read_text())
     config.update(dict(cfg_changes))
     (folder / "config.json").write_text(json.dumps(config))

@@ -16,8 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointing
 import layouts
 import parallel
-from plumbing import placement
-from plumbing import train_state
+from plumbing import placement, train_state
 from checkpointing import SavedBytes
 from conftest import (ROOT, TINY, check_tp_step, command, expect_error, group_of_one, losses, metrics,
                       run_train, small_cfg,

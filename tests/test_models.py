@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import interchange
-from plumbing import options
-from plumbing import train_state
+from plumbing import formats, options, train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
 from model import Config, Llama
 
@@ -174,7 +173,7 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path):
                               (dict(arch="full", mlp_gate="none"), "hf", "has mlp_gate=none")]:
         cfg = Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, **kw)
         with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
-            interchange.write(tmp_path / "x", Llama(cfg).state_dict(), cfg, fmt, "bytes")
+            formats.write(tmp_path / "x", Llama(cfg).state_dict(), cfg, fmt, "bytes")
         assert not (tmp_path / "x").exists()
 
 
@@ -202,7 +201,7 @@ def test_imported_cola_model_trains_under_btp(tmp_path, data_dir):
     """A CoLA-format model (as trained elsewhere) imported, then continued at tp=2 like one process."""
     ckpt = trained_checkpoint(tmp_path / "run", data_dir, "--arch=cola", "--n_kv_head=4")
     cfg, state, _ = interchange.checkpoint_state(ckpt)
-    interchange.write(tmp_path / "cola", state, cfg, "cola", "bytes")
+    formats.write(tmp_path / "cola", state, cfg, "cola", "bytes")
     for name in ("one", "tp2"):
         interchange.import_folder(str(tmp_path / "cola"), str(tmp_path / name))
     run = [f"--data_dir={data_dir}", *TINY, "--n_kv_head=4", "--max_iters=3", "--eval_interval=100", "--batch_size=2",

@@ -15,11 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import integrity
+from plumbing import integrity, options, plan, train_state
 import interchange
-from plumbing import options
 import train
-from plumbing import train_state
 from conftest import ROOT, TINY, command, expect_error, losses, metrics, run_train, torchrun
 
 RUN = ["--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8", "--batch_size=2"]
@@ -212,7 +210,7 @@ def test_bad_places_and_devices(capsys, tmp_path):
     cfg, tc = options.parse_args(["--n_embd=96", "--n_head=6", "--n_kv_head=3", "--mlp_width=264", "--tp=3"])
     cfg.vocab_size = options.vocab_size("bytes")
     with pytest.raises(ValueError, match="does not divide the vocabulary of 320 .the tokenizer's, padded"):
-        options.plan(cfg, tc, 3)
+        plan.make(cfg, tc, 3)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ Both compute the same model: tests/test_parallel_layouts.py checks them against 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
@@ -25,7 +26,8 @@ from parallel import Copy, Reduce  # noqa: E402
 
 
 class AblatedBTPBlock(layouts.BTPBlock):
-    """layouts.BTPBlock with `online_norm` or `grouped` switched off (class attributes: ablated())."""
+    """layouts.BTPBlock with `online_norm` or `grouped` switched off (class attributes:
+    ablated())."""
     online_norm, grouped = True, True
 
     def norm_down(self, x, gamma, A):
@@ -38,7 +40,7 @@ class AblatedBTPBlock(layouts.BTPBlock):
         else:
             g = self.tp.group
             S = x.float().pow(2).sum(-1, keepdim=True)                           # (b, s, 1) partial
-            S = Copy.apply(Reduce.apply(S, g), g)         # every rank uses the sum: backward sums too
+            S = Copy.apply(Reduce.apply(S, g), g)  # every rank uses the sum: backward sums too
             h = (x * torch.rsqrt(S / self.cfg.n_embd + self.cfg.norm_eps)).to(x.dtype) * gamma
             parts = [h @ a.t() for a in As]                                      # (b, s, n)
         return parts[0] if self.grouped else parts
@@ -52,9 +54,10 @@ class AblatedBTPBlock(layouts.BTPBlock):
         return torch.cat(parts, -1)
 
     def latent(self, HS):
-        return super().latent(HS) if self.online_norm else HS                    # (b, s, n), before σ
+        return super().latent(HS) if self.online_norm else HS  # (b, s, n), before σ
 
 
 def ablated(online_norm=True, grouped=True):
     """A BTP layer class for TPLlama(block=...) with the chosen optimisations."""
-    return type("AblatedBTPBlock", (AblatedBTPBlock,), {"online_norm": online_norm, "grouped": grouped})
+    return type("AblatedBTPBlock", (AblatedBTPBlock,),
+                {"online_norm": online_norm, "grouped": grouped})

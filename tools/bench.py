@@ -1,23 +1,33 @@
-"""bench.py: side-by-side measurements on this machine, for the comparisons of BOOST (arXiv 2512.12131) §7.
+"""bench.py: side-by-side measurements on this machine, for the comparisons of BOOST (arXiv
+2512.12131) §7.
 
-    python tools/bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss after the same steps
-    python tools/bench.py traffic  # TP traffic per layer of the three layouts: formula vs the ledger's count
-    python tools/bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations (norm, grouping, recompute)
-    python tools/bench.py comm     # exposed communication: each layout plain, with --overlap and with no communication
-    python tools/bench.py pp       # pipeline stages: step time and stage-boundary volume, pp=1 vs pp=2
-    python tools/bench.py model    # the cluster-scale cost model against the paper's table (costmodel.py)
-    python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB in six forms (txt, jsonl, .gz, .zst,
-                             # parquet, mixed), --rounds=3: MB/s, tokens/s, memory (bench_data.py)
+    python tools/bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss
+                                   # after the same steps
+    python tools/bench.py traffic  # TP traffic per layer of the three layouts: formula vs the
+                                   # ledger's count
+    python tools/bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations
+                                   # (norm, grouping, recompute)
+    python tools/bench.py comm     # exposed communication: each layout plain, with --overlap
+                                   # and with no communication
+    python tools/bench.py pp       # pipeline stages: step time and stage-boundary volume,
+                                   # pp=1 vs pp=2
+    python tools/bench.py model    # the cluster-scale cost model against the paper's table
+                                   # (costmodel.py)
+    python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB in six forms
+                                   # (txt, jsonl, .gz, .zst, parquet, mixed), --rounds=3: MB/s,
+                                   # tokens/s, memory (bench_data.py)
     python tools/bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
-    python tools/bench.py dp_shard  # DDP vs FSDP2 (--dp_shard=grad, full) at dp=2: ms, peak memory (bench_dp_shard.py)
-    python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices, Triton vs PyTorch,
-                             # and a 1B-shaped training step per arch, compile off/on (bench_gpu.py)
+    python tools/bench.py dp_shard  # DDP vs FSDP2 (--dp_shard=grad, full) at dp=2: ms, peak
+                                    # memory (bench_dp_shard.py)
+    python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
+                                   # Triton vs PyTorch, and a 1B-shaped training step per arch,
+                                   # compile off/on (bench_gpu.py)
 
 Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
 bench-results/, which git ignores). Each comparison is measured in one run, the configurations
 interleaved step by step, since these machines are noisy. Extra `--key=value` arguments set the
-model as in train.py (a config file such as configs/boost_test.toml replaces a bench's default shape);
-`--iters=N` the timed steps per configuration; `--tp=2,4` the TP degrees of
+model as in train.py (a config file such as configs/boost_test.toml replaces a bench's default
+shape); `--iters=N` the timed steps per configuration; `--tp=2,4` the TP degrees of
 `layouts`; `--mb=N` the size of `data`'s corpus and `--keep=DIR` where to keep it (default: a
 temporary folder). `python tools/bench.py -h` prints this.
 """
@@ -30,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, shape_args, steady, table, train_run  # noqa: E402
 
@@ -39,37 +50,45 @@ def bench_archs(iters, extra):
     rows, out = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ("full", "svd", "cola"):
-            rec = train_run(1, [f"--arch={arch}", f"--max_iters={iters}", f"--eval_interval={iters}", *extra],
+            rec = train_run(1, [f"--arch={arch}", f"--max_iters={iters}",
+                                f"--eval_interval={iters}", *extra],
                             f"{tmp}/{arch}")
             out[arch] = {"tokens_per_s": steady(rec, "tokens_per_s"), "ms": steady(rec, "ms"),
                          "val_loss": rec[-1]["val_loss"]}
-            rows.append([arch, f"{out[arch]['ms']:.1f}", f"{out[arch]['tokens_per_s']:,.0f}", f"{out[arch]['val_loss']:.3f}"])
+            rows.append([arch, f"{out[arch]['ms']:.1f}", f"{out[arch]['tokens_per_s']:,.0f}",
+                         f"{out[arch]['val_loss']:.3f}"])
     return table(["arch", "ms/iter", "tokens/s", f"val loss after {iters} iters"], rows), out
 
 
 def bench_pp(iters, extra):
     """Pipeline stages on this machine: step time and stage-boundary volume, pp=1 vs pp=2."""
     rows, out = [], {}
-    args = ["--n_layer=4", "--batch_size=2", "--gradient_accumulation_steps=4", f"--max_iters={iters}",
+    args = ["--n_layer=4", "--batch_size=2", "--gradient_accumulation_steps=4",
+            f"--max_iters={iters}",
             "--eval_interval=100000", *extra]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, nproc, layout in (("pp=1", 1, []), ("pp=2", 2, ["--pp=2"]), ("pp=2 gpipe", 2, ["--pp=2", "--pp_schedule=gpipe"]),
+        for name, nproc, layout in (("pp=1", 1, []), ("pp=2", 2, ["--pp=2"]),
+                                    ("pp=2 gpipe", 2, ["--pp=2", "--pp_schedule=gpipe"]),
                                     ("pp=2 x tp=2", 4, ["--pp=2", "--tp=2"])):
             rec = train_run(nproc, [*args, *layout], f"{tmp}/{nproc}{len(layout)}")
             last = [r for r in rec if "loss" in r][-1]
-            out[name] = {"ms": steady(rec, "ms"), "pp_mb": last["pp_bytes"] / 1e6, "tp_mb": last["tp_bytes"] / 1e6,
+            out[name] = {"ms": steady(rec, "ms"), "pp_mb": last["pp_bytes"] / 1e6,
+                         "tp_mb": last["tp_bytes"] / 1e6,
                          "loss": last["loss"]}
-            rows.append([name, nproc, f"{out[name]['ms']:.1f}", f"{out[name]['pp_mb']:.2f}", f"{out[name]['tp_mb']:.2f}",
+            rows.append([name, nproc, f"{out[name]['ms']:.1f}", f"{out[name]['pp_mb']:.2f}",
+                         f"{out[name]['tp_mb']:.2f}",
                          f"{out[name]['loss']:.4f}"])
     return table(["layout", "processes", "ms/iter", "p2p MB/iter (rank 0)", "TP MB/iter (rank 0)",
                   f"loss at iter {iters - 1}"], rows), out
 
 
 VARIANTS = {  # name: (arch, layout or None for model.Llama, recompute, ablations.ablated's options)
-    "full": ("full", None, "none", {}), "svd": ("svd", None, "none", {}), "cola": ("cola", None, "none", {}),
+    "full": ("full", None, "none", {}), "svd": ("svd", None, "none", {}),
+            "cola": ("cola", None, "none", {}),
     "full/megatron, a TP group of one": ("full", "megatron", "none", {}),
     "svd/btp, a TP group of one": ("svd", "btp", "none", {}),
-    "full/megatron": ("full", "megatron", "none", {}), "cola/vanilla": ("cola", "vanilla", "none", {}),
+    "full/megatron": ("full", "megatron", "none", {}),
+            "cola/vanilla": ("cola", "vanilla", "none", {}),
     "svd/btp": ("svd", "btp", "none", {}), "cola/btp": ("cola", "btp", "none", {}),
     "cola/btp, a TP group of one": ("cola", "btp", "none", {}),
     "cola/btp separate norm all-reduce": ("cola", "btp", "none", {"online_norm": False}),
@@ -105,7 +124,8 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
             block = ablations.ablated(**options) if options else None
             model = layouts.TPLlama(model, tp, layout, recompute=recompute, block=block)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]),
+                        generator=torch.Generator().manual_seed(0))
 
     def step(name):
         model, opt = runs[name]
@@ -140,8 +160,10 @@ def measure(world, names, cfg, batch, iters):
     """Run _measure_worker in `world` processes; {variant: results} with the median ms."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_measure_worker, args=(world, f"{tmp}/store", names, cfg.shape(), batch, iters,
-                                                  f"{tmp}/out.json"), nprocs=world, start_method="spawn")
+        mp.start_processes(_measure_worker,
+                           args=(world, f"{tmp}/store", names, cfg.shape(), batch, iters,
+                                                  f"{tmp}/out.json"), nprocs=world,
+                           start_method="spawn")
         out = json.loads(Path(f"{tmp}/out.json").read_text())
     for r in out.values():
         r["ms"] = statistics.median(r["ms"]) if r["ms"] else None   # (iters=0: the counts alone)
@@ -151,17 +173,22 @@ def measure(world, names, cfg, batch, iters):
 def bench_layouts(iters, extra, tps):
     """The paper's comparison on this machine: the layouts at each TP degree, then the ablations."""
     from plumbing import options
-    cfg, tc = options.parse_args(shape_args(extra, ["--n_embd=256", "--n_layer=4", "--block_size=256", "--batch_size=8"]))
+    cfg, tc = options.parse_args(shape_args(extra,
+                                            ["--n_embd=256", "--n_layer=4", "--block_size=256",
+                                             "--batch_size=8"]))
     tokens = tc.batch_size * cfg.block_size
     rows, out = [], {}
     for tp in tps:
-        names = ["full", "svd", "cola", *[n for n in VARIANTS if "group of one" in n]] if tp == 1 else \
+        names = ["full", "svd", "cola", *[n for n in VARIANTS
+                                          if "group of one" in n]] if tp == 1 else \
             ["full/megatron", "cola/vanilla", "svd/btp", "cola/btp"] + \
-            ([n for n in VARIANTS if " " in n and "group of one" not in n] if tp == tps[-1] or tp == 2 else [])
+            ([n for n in VARIANTS if " " in n and "group of one" not in n] if tp == tps[-1]
+             or tp == 2 else [])
         out[tp] = measure(tp, names, cfg, tc.batch_size, iters)
         base = out[tp].get("cola/btp", out[tp].get("cola"))
         for name, r in out[tp].items():
-            rows.append([tp, name, f"{r['ms']:.1f}", f"{tokens / r['ms'] * 1000:,.0f}", r["tp_calls"],
+            rows.append([tp, name, f"{r['ms']:.1f}", f"{tokens / r['ms'] * 1000:,.0f}",
+                         r["tp_calls"],
                          f"{r['tp_elements']:,}", f"{r['tp_mb']:.2f}", f"{r['saved_mb']:.1f}",
                          f"{r['ms'] / base['ms']:.2f}"])
     table3 = []  # the paper's Table 3: activation memory saved per ms of recompute
@@ -170,30 +197,40 @@ def bench_layouts(iters, extra, tps):
             base = res.get(name.split(" recompute=")[0])
             if " recompute=" in name and base:
                 saved, extra = base["saved_mb"] - r["saved_mb"], r["ms"] - base["ms"]
-                table3.append([tp, name, f"{saved:.1f}", f"{extra:+.1f}", f"{saved / extra:.2f}" if extra > 0 else "-"])
-    title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, d_ff={cfg.mlp_width}, r={cfg.attn_rank}, heads={cfg.n_head}, "
+                table3.append([tp, name, f"{saved:.1f}", f"{extra:+.1f}",
+                               f"{saved / extra:.2f}" if extra > 0 else "-"])
+    title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, d_ff={cfg.mlp_width}, r={cfg.attn_rank}, "
+             f"heads={cfg.n_head}, "
              f"{tc.batch_size} x {cfg.block_size} tokens per step, fp32, one process per TP rank"
-             + (" (tp=4 oversubscribes the 2 cores of this machine)" if 4 in tps and os.cpu_count() < 4 else ""))
+             + (" (tp=4 oversubscribes the 2 cores of this machine)" if 4 in tps
+                and os.cpu_count() < 4 else ""))
     return title + "\n\n" + table(["tp", "variant", "ms/step", "tokens/s", "TP collectives/step",
                                     "TP elements/step", "TP MB/step",
                                     "saved activations MB", "time vs cola/btp (or cola)"], rows) + \
         "\n\nRecompute (Table 3 of the paper)\n\n" + \
-        table(["tp", "variant", "MB saved vs none", "extra ms/step", "MB saved per ms"], table3), out
+        table(["tp", "variant", "MB saved vs none", "extra ms/step", "MB saved per ms"],
+              table3), out
 
 
 def bench_comm(iters, extra):
     import bench_comm
     from plumbing import options
-    cfg, tc = options.parse_args(shape_args(extra, ["--n_layer=4", "--n_embd=512", "--n_head=8", "--block_size=256",
+    cfg, tc = options.parse_args(shape_args(extra,
+                                            ["--n_layer=4", "--n_embd=512", "--n_head=8",
+                                             "--block_size=256",
                                                     "--batch_size=4"]))
-    header, rows, probe_title, probe_header, probe_rows, out = bench_comm.bench_comm(iters, cfg, tc.batch_size)
-    title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, r={cfg.attn_rank}, {tc.batch_size} x {cfg.block_size} tokens "
-             "per step, fp32, gloo, one process per rank with one thread; median ms of fwd + bwd + AdamW")
-    return f"{title}\n\n{table(header, rows)}\n\n{probe_title}\n\n{table(probe_header, probe_rows)}", out
+    header, rows, probe_title, probe_header, probe_rows, out = \
+        bench_comm.bench_comm(iters, cfg, tc.batch_size)
+    title = (f"n_layer={cfg.n_layer}, d={cfg.n_embd}, r={cfg.attn_rank}, {tc.batch_size} x "
+             f"{cfg.block_size} tokens per step, fp32, gloo, one process per rank with one "
+             "thread; median ms of fwd + bwd + AdamW")
+    probe = table(probe_header, probe_rows)
+    return f"{title}\n\n{table(header, rows)}\n\n{probe_title}\n\n{probe}", out
 
 
 def bench_checkpoint(extra):
-    """The cost of a checkpoint's CRC-32s: save (which checksums), verify, and the checksums alone."""
+    """The cost of a checkpoint's CRC-32s: save (which checksums), verify, and the checksums
+    alone."""
     import torch
     from plumbing import options
     from plumbing import integrity
@@ -201,13 +238,17 @@ def bench_checkpoint(extra):
     import parallel
     from plumbing import train_state
     from model import Llama
-    cfg, _ = options.parse_args(shape_args(extra, ["--arch=full", "--n_layer=16", "--n_embd=1024", "--n_head=16"]))
+    cfg, _ = options.parse_args(shape_args(extra,
+                                           ["--arch=full", "--n_layer=16", "--n_embd=1024",
+                                            "--n_head=16"]))
     cfg.vocab_size = 50304
-    model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), "megatron")   # as a tp=1 run trains it
+    # as a tp=1 run trains it
+    model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), "megatron")
     optimizer = torch.optim.AdamW(model.parameters())
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         t0 = time.time()
-        path, size = train_state.save(tmp, 1, model, optimizer, None, {"config": cfg.shape(), "run_id": "bench"})
+        path, size = train_state.save(tmp, 1, model, optimizer, None,
+                                      {"config": cfg.shape(), "run_id": "bench"})
         t_save = time.time() - t0
         meta = json.loads(Path(path, "meta.json").read_text())
         t0 = time.time()
@@ -217,14 +258,18 @@ def bench_checkpoint(extra):
         for name in meta["files"]:
             integrity.crc32(Path(path, name))
         t_crc = time.time() - t0
-    out = {"params": model.num_params(), "bytes": size, "save_s": t_save, "verify_s": t_verify, "crc32_s": t_crc}
-    rows = [[f"{model.num_params() / 1e6:.0f}M", f"{size / 1e9:.2f}", f"{t_save:.1f}", f"{t_crc:.1f}",
+    out = {"params": model.num_params(), "bytes": size, "save_s": t_save, "verify_s": t_verify,
+           "crc32_s": t_crc}
+    rows = [[f"{model.num_params() / 1e6:.0f}M", f"{size / 1e9:.2f}", f"{t_save:.1f}",
+             f"{t_crc:.1f}",
              f"{size / 1e9 / t_crc:.2f}", f"{t_verify:.1f}"]]
     return ("A training checkpoint (dense model with its AdamW moments, one process)\n\n" +
-            table(["parameters", "GB", "save s (with CRC-32s)", "CRC-32s alone s", "CRC-32 GB/s", "verify s"], rows)), out
+            table(["parameters", "GB", "save s (with CRC-32s)", "CRC-32s alone s", "CRC-32 GB/s",
+                   "verify s"], rows)), out
 
 
-BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu", "dp_shard")
+BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
+           "dp_shard")
 
 
 def rounds_of(extra, default):
@@ -241,15 +286,19 @@ def usage_error(msg):
 
 
 def bench_help(what):
-    """`bench.py SUB -h`: the docstring's lines of that bench and how to give options, nothing run."""
+    """`bench.py SUB -h`: the docstring's lines of that bench and how to give options, nothing
+    run."""
     lines = __doc__.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"    python tools/bench.py {what} "))
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith(f"    python tools/bench.py {what} "))
     end = start + 1
     while lines[end].lstrip().startswith("#"):   # the comment's continuation lines
         end += 1
     mine = lines[start:end]
-    return "\n".join(["usage: python tools/bench.py " + what + " [--iters=N] [--json_dir=DIR] [--key=value ...]", "",
-                      *mine, "", *lines[lines.index(next(x for x in lines if x.startswith("Each prints"))):]])
+    return "\n".join(["usage: python tools/bench.py " + what
+                      + " [--iters=N] [--json_dir=DIR] [--key=value ...]", "",
+                      *mine, "", *lines[lines.index(next(x for x in lines
+                                                         if x.startswith("Each prints"))):]])
 
 
 def bench_args(args):
@@ -284,7 +333,8 @@ def main(argv):
     if "-h" in argv[1:] or "--help" in argv[1:]:
         print(bench_help(argv[0]))
         return
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))   # unwind, so temporary folders go on a kill too
+    # unwind, so temporary folders go on a kill too
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     what, (iters, tps, json_dir, mb, keep, extra) = argv[0], bench_args(argv[1:])
     if what == "archs":
         text, out = bench_archs(iters, extra)
@@ -317,7 +367,8 @@ def main(argv):
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
     elif what == "dp_shard":
         import bench_dp_shard
-        text, out = bench_dp_shard.bench(iters, [a for a in extra if not a.startswith("--rounds=")], rounds_of(extra, 2))
+        text, out = bench_dp_shard.bench(iters, [a for a in extra if not a.startswith("--rounds=")],
+                                         rounds_of(extra, 2))
     else:
         import costmodel
         text, out = costmodel.report()

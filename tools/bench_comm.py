@@ -1,4 +1,5 @@
-"""bench_comm.py: `python tools/bench.py comm`: how much of a TP step is exposed communication, per layout.
+"""bench_comm.py: `python tools/bench.py comm`: how much of a TP step is exposed communication, per
+layout.
 
 BOOST (arXiv 2512.12131) §2-4 and §7: BTP moves fewer bytes than Megatron TP but issues more
 collectives. Each layout (megatron for the dense model, vanilla and btp for CoLA) is timed three
@@ -19,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CASES = (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"))
 MODES = ("plain", "overlap", "no comm")
@@ -39,16 +41,20 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
     tp = world // pp
     mesh = placement.init_mesh(1, tp, "cpu", 600, pp)
     pp_rank = mesh.get_local_rank("pp")
-    idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]),
+                        generator=torch.Generator().manual_seed(0))
     runs = {}
     for arch, layout in CASES:
         for mode in MODES:
-            tp_handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=mode == "overlap")
+            tp_handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp,
+                                         overlap=mode == "overlap")
             torch.manual_seed(0)
-            model = layouts.TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"})), tp_handle, layout,
+            model = layouts.TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch,
+                                                    "mlp_gate": "auto"})), tp_handle, layout,
                                     stage=pp_rank, stages=pp)
             pipe = pipeline.Pipeline(model, mesh, 2, "1f1b", "cpu") if pp > 1 else None
-            runs[(f"{arch}/{layout}", mode)] = (model, pipe, torch.optim.AdamW(model.parameters(), lr=1e-4))
+            runs[(f"{arch}/{layout}", mode)] = (model, pipe,
+                                                torch.optim.AdamW(model.parameters(), lr=1e-4))
 
     def step(key):
         model, pipe, opt = runs[key]
@@ -98,7 +104,8 @@ def _probe_worker(rank, world, store, tokens, width, result):
         a @ b
         work.wait()
     ways = {"all-reduce": lambda: dist.all_reduce(x), "GEMM": lambda: a @ b,
-            "all-reduce then GEMM": lambda: (dist.all_reduce(x), a @ b), "both at once (async)": overlapped}
+            "all-reduce then GEMM": lambda: (dist.all_reduce(x), a @ b),
+            "both at once (async)": overlapped}
     out = {name: [] for name in ways}
     for i in range(40):
         for name, fn in ways.items():
@@ -115,7 +122,8 @@ def _probe_worker(rank, world, store, tokens, width, result):
 def probe(tokens, width):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_probe_worker, args=(2, f"{tmp}/store", tokens, width, f"{tmp}/out.json"), nprocs=2,
+        mp.start_processes(_probe_worker,
+                           args=(2, f"{tmp}/store", tokens, width, f"{tmp}/out.json"), nprocs=2,
                            start_method="spawn")
         return json.loads(Path(f"{tmp}/out.json").read_text())
 
@@ -124,10 +132,12 @@ def measure(pp, tp, cfg, batch, iters):
     """{(layout, mode): median ms/step} for one (pp, tp)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(pp * tp, f"{tmp}/store", pp, cfg.shape(), batch, iters, f"{tmp}/out.json"),
+        mp.start_processes(_worker, args=(pp * tp, f"{tmp}/store", pp, cfg.shape(), batch, iters,
+                                          f"{tmp}/out.json"),
                            nprocs=pp * tp, start_method="spawn")
         out = json.loads(Path(f"{tmp}/out.json").read_text())
-    return {tuple(k.split("|")): v if "in collectives" in k else statistics.median(v) for k, v in out.items()}
+    return {tuple(k.split("|")): v if "in collectives" in k else statistics.median(v)
+            for k, v in out.items()}
 
 
 def bench_comm(iters, cfg, batch, shapes=((1, 2), (1, 4), (2, 2))):
@@ -144,12 +154,17 @@ def bench_comm(iters, cfg, batch, shapes=((1, 2), (1, 4), (2, 2))):
             inside = [res[(name, m, "in collectives")] for m in MODES[:2]]
             rows.append([f"{pp} x {tp}", name, f"{plain:.0f}", f"{overlap:.0f}", f"{bound:.0f}",
                          f"{(plain - bound) / plain:.0%}", f"{(overlap - bound) / overlap:.0%}",
-                         f"{inside[0]:.0f} / {inside[1]:.0f}", f"{min(plain, overlap) / btp_best:.2f}"])
-    header = ["pp x tp", "layout", "plain ms", "overlap ms", "no comm ms (wrong on purpose)", "exposed plain",
-              "exposed overlap", "ms inside collectives, plain / overlap (rank 0, one step)", "best vs btp's best"]
+                         f"{inside[0]:.0f} / {inside[1]:.0f}",
+                         f"{min(plain, overlap) / btp_best:.2f}"])
+    header = ["pp x tp", "layout", "plain ms", "overlap ms", "no comm ms (wrong on purpose)",
+              "exposed plain",
+              "exposed overlap", "ms inside collectives, plain / overlap (rank 0, one step)",
+              "best vs btp's best"]
     tokens, width = batch * cfg.block_size, 3 * cfg.attn_rank + 1
     out["probe"] = probe(tokens, width)
     probe_rows = [[name, f"{ms:.2f}"] for name, ms in out["probe"].items()]
-    return header, rows, (f"Can two processes on this machine overlap a gloo all-reduce with computation? "
-                          f"(an all-reduce of {tokens} x {width} fp32, the BTP q/k/v latent; median ms)"), \
+    return header, rows, (f"Can two processes on this machine overlap a gloo all-reduce with "
+                          f"computation? "
+                          f"(an all-reduce of {tokens} x {width} fp32, the BTP q/k/v latent; "
+                          f"median ms)"), \
         ["way", "ms"], probe_rows, out

@@ -16,11 +16,15 @@ PY = sys.executable
 
 def train_run(nproc, args, out_dir):
     """train.py (under torchrun when nproc > 1); returns its metrics records."""
-    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [PY]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={nproc}"] if nproc > 1 else [PY]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                           "1" if nproc > 1 else "2")}
     args = shape_args(args, [])   # a config file first
-    res = subprocess.run([*launcher, str(ROOT / "train.py"), *args[:1], f"--out_dir={out_dir}", "--sample_tokens=0",
-                          "--log_interval=1", *args[1:]], capture_output=True, text=True, env=env, timeout=3600)
+    res = subprocess.run([*launcher, str(ROOT / "train.py"), *args[:1], f"--out_dir={out_dir}",
+                          "--sample_tokens=0",
+                          "--log_interval=1", *args[1:]], capture_output=True, text=True, env=env,
+                         timeout=3600)
     if res.returncode:
         sys.exit(f"train.py {' '.join(args)} failed:\n{res.stderr[-2000:]}")
     records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]

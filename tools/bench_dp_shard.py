@@ -14,9 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPE = ["--arch=full", "--n_embd=512", "--n_layer=8", "--n_head=8", "--block_size=128", "--batch_size=4",
+SHAPE = ["--arch=full", "--n_embd=512", "--n_layer=8", "--n_head=8", "--block_size=128",
+         "--batch_size=4",
          "--gradient_accumulation_steps=2"]
 
 
@@ -31,11 +33,14 @@ def bench(iters, extra, rounds=2):
                 rec = train_run(2, [*args, f"--dp_shard={mode}"], f"{tmp}/{mode}-{round_}")
                 last = [r for r in rec if "loss" in r][-1]
                 runs.setdefault(mode, []).append({"ms": steady(rec, "ms"), "mem_gb": last["mem_gb"],
-                                                  "dp_mb": last["dp_bytes"] / 1e6, "loss": last["loss"]})
+                                                  "dp_mb": last["dp_bytes"] / 1e6,
+                                                  "loss": last["loss"]})
                 print(f"  round {round_ + 1}: dp_shard={mode}: {runs[mode][-1]['ms']:.0f} ms, "
                       f"{runs[mode][-1]['mem_gb']:.2f} GB", flush=True)
-    out = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+    out = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+           for mode, rs in runs.items()}
     rows = [[mode, f"{r['ms']:.1f}", f"{r['mem_gb']:.3f}", f"{r['dp_mb']:.1f}", f"{r['loss']:.4f}"]
             for mode, r in out.items()]
-    return table(["dp_shard", "ms/step", "peak memory per rank (GB, RSS)", "dp MB/step", f"loss at iter {iters - 1}"],
+    return table(["dp_shard", "ms/step", "peak memory per rank (GB, RSS)", "dp MB/step",
+                  f"loss at iter {iters - 1}"],
                  rows), out

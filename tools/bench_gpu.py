@@ -1,4 +1,5 @@
-"""bench_gpu.py: `python tools/bench.py gpu`: the first measurements on one GPU, in one command (< 5 minutes).
+"""bench_gpu.py: `python tools/bench.py gpu`: the first measurements on one GPU, in one command (<
+5 minutes).
 
 BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, written to <json_dir>/bench-gpu.json and printed:
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOKENS = 4 * 4096
 TP = 4
@@ -35,11 +37,14 @@ def kernel_cases(cfg, tp=TP, tokens=TOKENS):
     """(op, inputs as shapes, FLOPs of the forward) of one TP rank's local ops for this shape."""
     d, r, rm, f = cfg.n_embd // tp, cfg.attn_rank, cfg.mlp_rank, cfg.mlp_width // tp
     kv = cfg.kv_dim // tp
-    return [("norm_down q,k,v", "norm_down", [(tokens, d), (d,), (3 * r, d)], 2 * tokens * 3 * r * d),
-            ("norm_down gate,up", "norm_down", [(tokens, d), (d,), (2 * rm, d)], 2 * tokens * 2 * rm * d),
+    return [("norm_down q,k,v", "norm_down", [(tokens, d), (d,), (3 * r, d)],
+             2 * tokens * 3 * r * d),
+            ("norm_down gate,up", "norm_down", [(tokens, d), (d,), (2 * rm, d)],
+             2 * tokens * 2 * rm * d),
             ("grouped_up q,k,v", "grouped_up", [(tokens, 3 * r), (d, r), (kv, r), (kv, r)],
              2 * tokens * r * (d + 2 * kv)),
-            ("grouped_up gate,up", "grouped_up", [(tokens, 2 * rm), (f, rm), (f, rm)], 2 * tokens * rm * 2 * f),
+            ("grouped_up gate,up", "grouped_up", [(tokens, 2 * rm), (f, rm), (f, rm)],
+             2 * tokens * rm * 2 * f),
             ("rms_norm (final)", "rms_norm", [(tokens, cfg.n_embd), (cfg.n_embd,)], 0)]
 
 
@@ -81,7 +86,7 @@ def measure_op(op, input_shapes, flops, impl, device, dtype, runs=10):
     if flops:
         out["tflops_fwd"] = flops / fwd / 1e9
         m = int(round((flops / 2) ** (1 / 3)))   # a square matmul of the same FLOPs
-        a, b = torch.randn(m, m, device=device, dtype=dtype), torch.randn(m, m, device=device, dtype=dtype)
+        a, b = (torch.randn(m, m, device=device, dtype=dtype) for _ in range(2))
         out["vs_matmul"] = timed(lambda: a @ b, device, runs) / fwd
     else:
         moved = 2 * inputs[0].numel() * inputs[0].element_size()   # read x, write y
@@ -91,17 +96,18 @@ def measure_op(op, input_shapes, flops, impl, device, dtype, runs=10):
 
 def matmul_peak(device, dtype=torch.bfloat16, n=8192):
     """Measured TFLOP/s of a large square matmul: the MFU denominator."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     return 2 * n ** 3 / timed(lambda: a @ b, device) / 1e9
 
 
 def train_step(cfg, device, compile_, batch=1, runs=5):
     """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
-    from plumbing import options
-    from plumbing import placement
+    from plumbing import options, placement
+    from plumbing.plan import Plan
     # built as train.py builds it: the BTP layer with a TP group of one
     tc = options.TrainConfig(seed=0)
-    plan = options.Plan(cfg, tc, 1, 1, "btp" if cfg.lowrank else "megatron", str(device), "bfloat16")
+    layout = "btp" if cfg.lowrank else "megatron"
+    plan = Plan(cfg, tc, 1, 1, layout, str(device), "bfloat16")
     model = placement.build_model(plan, placement.Placement(1, 1, str(device)))[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=str(device).startswith("cuda"))
     run = torch.compile(model) if compile_ else model
@@ -128,11 +134,15 @@ def run(device="cuda", n_layer=8, json_path=None):
     from model import Llama
     kernels.select("auto", device)
     dtype = torch.bfloat16
-    out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device),
-           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "kernels": [], "steps": []}
+    out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
+           else str(device),
+           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "kernels": [],
+           "steps": []}
     out["matmul_peak_tflops"] = peak = matmul_peak(device)
-    lines = [f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak measured: {peak:.0f} TFLOP/s",
-             "", "| shape | op | impl | fwd ms | fwd+bwd ms | TFLOP/s or GB/s (fwd) | matmul of the same FLOPs / op |",
+    lines = [f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak "
+             f"measured: {peak:.0f} TFLOP/s",
+             "", "| shape | op | impl | fwd ms | fwd+bwd ms | TFLOP/s or GB/s (fwd) | matmul of "
+             "the same FLOPs / op |",
              "|---|---|---|---|---|---|---|"]
     for name, cfg in shapes().items():
         for label, op, input_shapes, flops in kernel_cases(cfg):
@@ -140,22 +150,25 @@ def run(device="cuda", n_layer=8, json_path=None):
                 r = measure_op(op, input_shapes, flops, impl, device, dtype)
                 out["kernels"].append({"shape": name, "op": label, "impl": impl, **r})
                 rate = f"{r['tflops_fwd']:.0f} TFLOP/s" if flops else f"{r['gbs_fwd']:.0f} GB/s"
-                lines.append(f"| {name} TP={TP} | {label} | {impl} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {rate} | "
+                lines.append(f"| {name} TP={TP} | {label} | {impl} | {r['fwd_ms']:.3f} | "
+                             f"{r['fwd_bwd_ms']:.3f} | {rate} | "
                              + (f"{r['vs_matmul']:.2f}" if flops else "-") + " |")
-    lines += ["", f"One training step of the 1B shape with {n_layer} layers, 1 × 4096 tokens, bf16, one GPU:", "",
+    lines += ["", f"One training step of the 1B shape with {n_layer} layers, 1 × 4096 tokens, "
+              f"bf16, one GPU:", "",
               "| arch | compile | ms | tokens/s | MFU | peak GB |", "|---|---|---|---|---|---|"]
     base = shapes()["1b"]
     for arch in ("full", "svd", "cola"):
         cfg = type(base)(**{**base.shape(), "arch": arch, "n_layer": n_layer, "vocab_size": 32000,
                             "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
         with torch.device("meta"):
-            flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)   # counted from the matrices
+            # counted from the matrices
+            flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)
         for compile_ in (False, True):
             r = train_step(cfg, device, compile_)
             r["mfu"] = flops_per_token * r["tokens_per_s"] / (peak * 1e12)
             out["steps"].append({"arch": arch, "compile": compile_, **r})
-            lines.append(f"| {arch} | {compile_} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-                         f"{r['peak_gb']:.1f} |")
+            lines.append(f"| {arch} | {compile_} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+                         f"{100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} |")
     text = "\n".join(lines)
     if json_path:
         with open(json_path, "w") as fh:

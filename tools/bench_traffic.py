@@ -1,14 +1,15 @@
-"""bench_traffic.py: `python tools/bench.py traffic`: the TP elements per token of one layer under each
-layout (BOOST, arXiv 2512.12131, §4's volumes), counted by the ledger in a real forward and backward
-(a three- minus a two-layer model on `tp` spawned gloo ranks) beside layouts.per_layer_traffic's
-formula; with LaX rows (a layer that crosses).
+"""bench_traffic.py: `python tools/bench.py traffic`: the TP elements per token of one layer under
+each layout (BOOST, arXiv 2512.12131, §4's volumes), counted by the ledger in a real forward and
+backward (a three- minus a two-layer model on `tp` spawned gloo ranks) beside
+layouts.per_layer_traffic's formula; with LaX rows (a layer that crosses).
 """
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _traffic_worker(rank, world, store, cfg_kwargs, result):
@@ -23,19 +24,24 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     tp = parallel.TPGroup(dist.group.WORLD, rank, world)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     out, b, s = {}, 2, 32
-    for arch, layout, lax in (("full", "megatron", False), ("cola", "vanilla", False), ("cola", "btp", False),
-                              ("cola", "vanilla", True), ("cola", "btp", True)):   # LaX: a crossing layer
+    for arch, layout, lax in (("full", "megatron", False), ("cola", "vanilla", False),
+                              ("cola", "btp", False),
+                              # LaX: a crossing layer
+                              ("cola", "vanilla", True), ("cola", "btp", True)):
         totals = []
         for n_layer in (2, 3):   # the difference: layer 2, which crosses under LaX
-            cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer, "block_size": s,
+            cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer,
+                            "block_size": s,
                             "lax": lax})
             model = layouts.TPLlama(Llama(cfg), tp, layout)
-            idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+            idx = torch.randint(0, cfg.vocab_size, (b, s),
+                                generator=torch.Generator().manual_seed(0))
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
             totals.append([parallel.LEDGER.total("tp", phase) for phase in ("fwd", "bwd")])
-        out[layout + (" lax" if lax else "")] = {"measured": [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)],
-                                                 "formula": list(layouts.per_layer_traffic(layout, cfg)[:2])}
+        measured = [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)]
+        formula = list(layouts.per_layer_traffic(layout, cfg)[:2])
+        out[layout + (" lax" if lax else "")] = {"measured": measured, "formula": formula}
     if rank == 0:
         Path(result).write_text(json.dumps(out))
     placement.exit_worker(world)
@@ -50,14 +56,17 @@ def bench_traffic(extra, tp):
     cfg, _ = options.parse_args(shape_args(extra, []))
     kwargs = {k: v for k, v in cfg.shape().items()}
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_traffic_worker, args=(tp, f"{tmp}/store", kwargs, f"{tmp}/out.json"), nprocs=tp,
+        mp.start_processes(_traffic_worker, args=(tp, f"{tmp}/store", kwargs, f"{tmp}/out.json"),
+                           nprocs=tp,
                            start_method="spawn")
         out = json.loads(Path(f"{tmp}/out.json").read_text())
     cfg = Config(**kwargs)
     rows = [[layout, *out[layout]["formula"], *[f"{m:g}" for m in out[layout]["measured"]],
              f"{out[layout]['formula'][0] / out['btp']['formula'][0]:.2f}"] for layout in out]
-    title = f"d={cfg.n_embd}, d_ff={cfg.mlp_width}, kv={cfg.kv_dim}, r={cfg.attn_rank}/{cfg.mlp_rank}, tp={tp}"
-    return title + "\n\n" + table(["layout", "fwd formula", "bwd formula", "fwd measured", "bwd measured",
+    title = (f"d={cfg.n_embd}, d_ff={cfg.mlp_width}, kv={cfg.kv_dim}, "
+             f"r={cfg.attn_rank}/{cfg.mlp_rank}, tp={tp}")
+    return title + "\n\n" + table(["layout", "fwd formula", "bwd formula", "fwd measured",
+                                   "bwd measured",
                                    "fwd vs btp"], rows), out
 
 

@@ -1,12 +1,14 @@
 """costmodel.py: an analytic model of one training iteration under each TP layout, for planning past
-this machine. Checked against the paper's table (BOOST, arXiv 2512.12131, section 7; docs/design.md).
+this machine. Checked against the paper's table (BOOST, arXiv 2512.12131, section 7;
+docs/design.md).
 
 One iteration on one GPU of a (dp, pp, tp) job, m micro-batches of b x s tokens per pipeline:
 
   GEMMs      each (M=b·s, K, N) as this rank computes it: 2·M·K·N FLOPs at peak · η(min(K, N)), with
-             η(n) = ETA_MAX · n / (n + N_HALF): the lower efficiency of skinny GEMMs (vanilla's r/t),
-             stated as one curve, not fitted per row.
-  attention  causal flash attention, 2·b·s²·(heads on this rank)·hd FLOPs forward, at peak · ETA_ATTN.
+             η(n) = ETA_MAX · n / (n + N_HALF): the lower efficiency of skinny GEMMs (vanilla's
+             r/t), stated as one curve, not fitted per row.
+  attention  causal flash attention, 2·b·s²·(heads on this rank)·hd FLOPs forward, at peak ·
+  ETA_ATTN.
   memory     elementwise kernels: MEM_PASSES bf16 passes over every activation a GEMM produces, at
              the HBM bandwidth. Backward of everything: 2 x forward.
   TP         per collective ALPHA + 2(t-1)/t · bytes / BW (ring all-reduce; an all-gather is half),
@@ -25,7 +27,8 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layouts import per_layer_traffic  # noqa: E402
 
@@ -80,7 +83,8 @@ def preset(name):
     """The Shape of configs/<name>.toml (vocabulary 32000 as in the paper, r = d/4)."""
     with open(Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml", "rb") as f:
         c = tomllib.load(f)
-    return Shape(c["n_layer"], c["n_embd"], c["mlp_width"], c["n_head"], c.get("n_kv_head", c["n_head"]))
+    return Shape(c["n_layer"], c["n_embd"], c["mlp_width"], c["n_head"],
+                 c.get("n_kv_head", c["n_head"]))
 
 
 # The paper's throughput models: LLaMA-2 shapes (7B, 13B), CoLA's 1B, OpenLLaMA's 3B, LLaMA's 30B.
@@ -90,7 +94,8 @@ SHAPES = {size: preset(f"paper_{size.lower()}") for size in ("1B", "3B", "7B", "
 # micro-batch per iteration. The 30B row's TP and PP are not given: TP4 x PP2 is our assumption (of
 # (8, 2), (4, 4) and (4, 2) it fits best). Even so the model predicts about twice the paper's 30B
 # times: the paper's run must use its 16 GPUs in a way one micro-batch on TP x PP does not capture.
-PAPER = [("1B", 1, 1, (0.85, 0.56, 0.59)), ("3B", 2, 1, (1.14, 1.41, 0.78)), ("7B", 4, 1, (1.06, 1.64, 0.72)),
+PAPER = [("1B", 1, 1, (0.85, 0.56, 0.59)), ("3B", 2, 1, (1.14, 1.41, 0.78)),
+         ("7B", 4, 1, (1.06, 1.64, 0.72)),
          ("13B", 4, 2, (2.07, 2.42, 1.30)), ("30B", 4, 2, (2.43, 2.58, 1.27))]
 LAYOUT_OF = {"full": "megatron", "vanilla": "vanilla", "boost": "btp"}
 
@@ -99,19 +104,22 @@ def gemms(sh, layout, t):
     """(K, N) of every GEMM of one layer on one rank, and the heads this rank attends with."""
     d, f, r, kv = sh.n_embd, sh.mlp_width, sh.r, sh.kv_dim
     if layout == "megatron":
-        return [(d, d // t), (d, kv // t), (d, kv // t), (d // t, d), (d, f // t), (d, f // t), (f // t, d)], sh.n_head // t
+        return [(d, d // t), (d, kv // t), (d, kv // t), (d // t, d), (d, f // t), (d, f // t),
+                (f // t, d)], sh.n_head // t
     if layout == "vanilla":  # A column-parallel over r, B row-parallel; attention on all heads
         ios = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
         return [g for i, o in ios for g in ((i, r // t), (r // t, o))], sh.n_head
     ups = [(r, d // t), (r, kv // t), (r, kv // t)]  # btp: grouped A_qkv, A_gu; B's column-parallel
-    return [(d // t, 3 * r), *ups, (d // t, r), (r, d // t), (d // t, 2 * r), (r, f // t), (r, f // t),
+    return [(d // t, 3 * r), *ups, (d // t, r), (r, d // t), (d // t, 2 * r), (r, f // t),
+            (r, f // t),
             (f // t, r), (r, d // t)], sh.n_head // t
 
 
 def flops_per_token(sh, layout, seq):
     """Training FLOPs per token of the whole model (t = 1), counted as model.py counts them."""
     per_layer = sum(k * n for k, n in gemms(sh, layout, 1)[0])
-    return 6 * (sh.n_layer * per_layer + sh.n_embd * sh.vocab_size) + 12 * sh.n_layer * sh.n_embd * seq
+    return 6 * (sh.n_layer * per_layer + sh.n_embd
+                * sh.vocab_size) + 12 * sh.n_layer * sh.n_embd * seq
 
 
 def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRATION):
@@ -124,21 +132,25 @@ def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRA
     # elementwise kernels (norms, σ, gating, residual adds, casts): MEM_PASSES bf16 reads or writes
     # of every activation element a GEMM produces
     layer_fwd += cal["MEM_PASSES"] * 2 * M * sum(n for _, n in gemm_list) / hw.hbm
-    head_fwd = 2 * M * sh.n_embd * sh.vocab_size / t / (hw.peak * eta(min(sh.n_embd, sh.vocab_size // t)))
+    head_fwd = 2 * M * sh.n_embd * sh.vocab_size / t / (hw.peak
+                                                        * eta(min(sh.n_embd, sh.vocab_size // t)))
     bw = hw.nvlink if t <= hw.per_node else hw.network
     ring = 2 * (t - 1) / t if t > 1 else 0.0
     fwd_el, bwd_el, calls = per_layer_traffic(layout, sh)
     calls = calls if t > 1 else 0
     layer_comm = calls * cal["ALPHA"] + ring * (fwd_el + bwd_el) * M * 2 / bw
-    head_comm = (ring * M * sh.n_embd * 2 * (1.5 if layout == "btp" else 1.0) / bw + 4 * cal["ALPHA"]) if t > 1 else 0.0
+    head_comm = (ring * M * sh.n_embd * 2 * (1.5 if layout == "btp" else 1.0) / bw + 4
+                 * cal["ALPHA"]) if t > 1 else 0.0
     layers = sh.n_layer / p
     stage = 3 * (layers * layer_fwd + head_fwd / p) + layers * layer_comm + head_comm / p
     send = (2 * M * sh.n_embd / t * 2 / hw.network) if p > 1 else 0.0
     pipeline = (m + p - 1) * (stage + send)
     params = flops_per_token(sh, layout, 0) / 6 / (t * p)
     dp_time = 2 * (dp - 1) / dp * params * 2 / hw.network + cal["ALPHA"] if dp > 1 else 0.0
-    return {"total": pipeline + dp_time, "compute": (m + p - 1) * 3 * (layers * layer_fwd + head_fwd / p),
-            "tp_comm": (m + p - 1) * (layers * layer_comm + head_comm / p), "pp_send": (m + p - 1) * send,
+    return {"total": pipeline + dp_time,
+            "compute": (m + p - 1) * 3 * (layers * layer_fwd + head_fwd / p),
+            "tp_comm": (m + p - 1) * (layers * layer_comm + head_comm / p),
+            "pp_send": (m + p - 1) * send,
             "dp_comm": dp_time}
 
 
@@ -146,7 +158,8 @@ def paper_rows(cal=CALIBRATION, hw=HARDWARE["A100"]):
     rows = []
     for name, t, p, measured in PAPER:
         sh = SHAPES[name]
-        pred = [iteration_time(sh, "megatron" if i == 0 else LAYOUT_OF[k], hw, t, p, cal=cal)["total"]
+        pred = [iteration_time(sh, "megatron" if i == 0 else LAYOUT_OF[k], hw, t, p,
+                               cal=cal)["total"]
                 for i, k in enumerate(("full", "vanilla", "boost"))]
         rows.append((name, t, p, measured, pred))
     return rows
@@ -163,16 +176,20 @@ def report():
     rows, errs = [], []
     for name, t, p, meas, pred in paper_rows():
         e = [(pr - me) / me for pr, me in zip(pred, meas)]
-        su_meas, su_pred = (meas[0] / meas[2], meas[1] / meas[2]), (pred[0] / pred[2], pred[1] / pred[2])
+        su_meas = (meas[0] / meas[2], meas[1] / meas[2])
+        su_pred = (pred[0] / pred[2], pred[1] / pred[2])
         errs += e
-        rows.append([name, t, p, *[f"{me:.2f} / {pr:.2f} ({100 * x:+.0f}%)" for me, pr, x in zip(meas, pred, e)],
-                     f"{su_meas[0]:.2f} / {su_pred[0]:.2f}", f"{su_meas[1]:.2f} / {su_pred[1]:.2f}"])
+        rows.append([name, t, p, *[f"{me:.2f} / {pr:.2f} ({100 * x:+.0f}%)"
+                                   for me, pr, x in zip(meas, pred, e)],
+                     f"{su_meas[0]:.2f} / {su_pred[0]:.2f}",
+                     f"{su_meas[1]:.2f} / {su_pred[1]:.2f}"])
         out[name] = {"tp": t, "pp": p, "paper": meas, "model": pred}
     out["mean_abs_rel_error"] = sum(abs(x) for x in errs) / len(errs)
     text.append("Paper vs model, seconds per iteration (A100, s=4096, b=4, r=d/4); calibration "
                 + ", ".join(f"{k}={v}" for k, v in CALIBRATION.items())
                 + f"; mean |error| {100 * out['mean_abs_rel_error']:.0f}%\n")
-    text.append(_table(["model", "TP", "PP", "full: paper / model", "vanilla: paper / model", "BOOST: paper / model",
+    text.append(_table(["model", "TP", "PP", "full: paper / model", "vanilla: paper / model",
+                        "BOOST: paper / model",
                         "BOOST vs full: paper / model", "BOOST vs vanilla: paper / model"], rows))
 
     def speedups(**kw):
@@ -181,13 +198,19 @@ def report():
         times = {k: iteration_time(sh, LAYOUT_OF[k], hw, **kw)["total"] for k in LAYOUT_OF}
         return f"{times['full'] / times['boost']:.2f}", f"{times['vanilla'] / times['boost']:.2f}"
 
-    sweeps = [("r/d (7B, TP4)", [(f"1/{k}", dict(shape=replace(SHAPES["7B"], rank=4096 // k), t=4)) for k in (16, 8, 4, 2)]),
-              ("TP degree (13B; 8 spans 2 A100 nodes)", [(t, dict(shape=SHAPES["13B"], t=t)) for t in (2, 4, 8)]),
-              ("sequence length (7B, TP4)", [(s, dict(t=4, s=s)) for s in (1024, 4096, 16384, 32768)]),
+    sweeps = [("r/d (7B, TP4)", [(f"1/{k}",
+                                  dict(shape=replace(SHAPES["7B"], rank=4096 // k), t=4))
+                                 for k in (16, 8, 4, 2)]),
+              ("TP degree (13B; 8 spans 2 A100 nodes)",
+               [(t, dict(shape=SHAPES["13B"], t=t)) for t in (2, 4, 8)]),
+              ("sequence length (7B, TP4)",
+               [(s, dict(t=4, s=s)) for s in (1024, 4096, 16384, 32768)]),
               ("interconnect (7B, TP4)", [(k, dict(t=4, hw=h)) for k, h in HARDWARE.items()] +
-               [("A100, PCIe only (25 GB/s)", dict(t=4, hw=replace(HARDWARE["A100"], nvlink=25e9)))]),
+               [("A100, PCIe only (25 GB/s)",
+                 dict(t=4, hw=replace(HARDWARE["A100"], nvlink=25e9)))]),
               ("GPUs (30B, TP4 x PP4 x DP, 16 micro-batches, A100)",
-               [(16 * dp, dict(shape=SHAPES["30B"], t=4, p=4, dp=dp, m=16)) for dp in (1, 4, 16, 64)])]
+               [(16 * dp, dict(shape=SHAPES["30B"], t=4, p=4, dp=dp, m=16))
+                for dp in (1, 4, 16, 64)])]
     for title, points in sweeps:
         rows = [[x, *speedups(**kw)] for x, kw in points]
         out[title] = rows

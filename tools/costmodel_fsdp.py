@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from costmodel import HARDWARE, SHAPES, _table, flops_per_token, iteration_time  # noqa: E402
 
-WORKING = 24          # one layer's activations while it recomputes, in units of b·s·d/t bf16 values (an estimate)
+# one layer's activations while it recomputes, in units of b·s·d/t bf16 values (an estimate)
+WORKING = 24
 GPU_MEMORY = 80e9     # A100-80GB
 
 
@@ -35,15 +36,17 @@ def plan(sh, gpus, t, shard, hw=HARDWARE["A100"], batch=16, s=4096):
     global batch of `batch` sequences shared by the dp replicas (b = batch / dp each)."""
     dp = gpus // t
     b = batch // dp
-    params = flops_per_token(sh, "btp", 0) / 6 / t            # this GPU's parameters before dp sharding
+    params = flops_per_token(sh, "btp", 0) / 6 / t  # this GPU's parameters before dp sharding
     largest = params / sh.n_layer                              # one decoder layer's (roughly)
-    state = {"none": 16 * params, "grad": (4 + 12 / dp) * params, "full": 16 * params / dp + 2 * largest}[shard]
+    state = {"none": 16 * params, "grad": (4 + 12 / dp) * params,
+             "full": 16 * params / dp + 2 * largest}[shard]
     tokens, width = b * s, sh.n_embd / t
     activations = (sh.n_layer + WORKING) * tokens * width * 2
     base = iteration_time(sh, "btp", hw, t=t, dp=1, b=b, s=s)["total"]   # compute, TP; no DP yet
     ring = (dp - 1) / dp if dp > 1 else 0.0
     weights = params * 2 / hw.network                          # bf16 bytes of this GPU's parameters
-    dp_time = {"none": 2 * ring * weights, "grad": 2 * ring * weights, "full": 3 * ring * weights}[shard]
+    dp_time = {"none": 2 * ring * weights, "grad": 2 * ring * weights,
+               "full": 3 * ring * weights}[shard]
     return (state + activations) / 1e9, base + dp_time, dp_time
 
 
@@ -58,9 +61,11 @@ def report(gpus=16):
         for label, t, shard in PLANS:
             gb, sec, dp_s = plan(sh, gpus, t, shard)
             out[f"{name} {label}"] = {"gb": gb, "s": sec, "dp_s": dp_s}
-            rows.append([name, label, f"{gb:.1f}" + ("" if gb * 1e9 <= GPU_MEMORY else " (does not fit)"),
+            rows.append([name, label, f"{gb:.1f}"
+                         + ("" if gb * 1e9 <= GPU_MEMORY else " (does not fit)"),
                          f"{sec:.2f}", f"{dp_s:.2f}"])
-    text = (f"CoLA models (r = d/4) on {gpus} A100-80GB (4 a node, NVLink within, Slingshot between), "
+    text = (f"CoLA models (r = d/4) on {gpus} A100-80GB (4 a node, NVLink within, Slingshot "
+            f"between), "
             "16 sequences of 4096 tokens an iteration, recompute=layer\n\n"
             + _table(["model", "plan", "GB per GPU", "s/iteration", "of which DP comm"], rows))
     return text, out

@@ -33,13 +33,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]   # the core files live at the repository root
-STEPS = {"env": 20, "kernels": 150, "train": 170, "bench": 140}   # each one's timeout, seconds (480 in all)
+# each one's timeout, seconds (480 in all)
+STEPS = {"env": 20, "kernels": 150, "train": 170, "bench": 140}
 
 
 def run_step(cmd, timeout, log, env=None):
     """Run one step's command, echoing its lines as they come; (status, its RESULT record or None).
     status is "ok", "failed" (it reported failures or exited non-zero) or "timed out"."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     result, deadline = None, time.time() + timeout
     sel = selectors.DefaultSelector()
@@ -76,7 +78,8 @@ def step_env(args):
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
         print(smi.stdout.strip() or smi.stderr.strip(), flush=True)
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    record = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+    record = {"python": sys.version.split()[0], "torch": torch.__version__,
+              "triton": triton.__version__,
               "numpy": numpy.__version__, "cuda": torch.version.cuda,
               "gpu": torch.cuda.get_device_name() if cap else None, "capability": cap}
     print(", ".join(f"{k} {v}" for k, v in record.items()), flush=True)
@@ -85,7 +88,8 @@ def step_env(args):
 
 def step_kernels(args):
     import gpu_check_kernels
-    passed, failed = gpu_check_kernels.run(device(args), lambda s: print(s, flush=True), real_shapes=not args.cpu)
+    passed, failed = gpu_check_kernels.run(device(args), lambda s: print(s, flush=True),
+                                           real_shapes=not args.cpu)
     report(passed=passed, failed=failed)
 
 
@@ -118,16 +122,20 @@ def device(args):
 
 def main(argv):
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--budget_s", type=float, default=480, help="the whole check's limit (default 480)")
+    ap.add_argument("--budget_s", type=float, default=480,
+                    help="the whole check's limit (default 480)")
     ap.add_argument("--json", default=str(ROOT / "gpu-check" / "summary.json"),
                     help="the summary's file (default gpu-check/summary.json in the repository)")
-    ap.add_argument("--cpu", action="store_true", help="the same steps, small, on a CPU (the tests' mode)")
-    ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)   # one step, in its own process
-    ap.add_argument("--out", help=argparse.SUPPRESS)                          # the train step's scratch folder
+    ap.add_argument("--cpu", action="store_true",
+                    help="the same steps, small, on a CPU (the tests' mode)")
+    # one step, in its own process
+    ap.add_argument("--step", choices=sorted(STEPS), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)  # the train step's scratch folder
     args = ap.parse_args(argv)
     if args.step:
         import gpu_check_train
-        {"env": step_env, "kernels": step_kernels, "train": gpu_check_train.step, "bench": step_bench}[args.step](args)
+        {"env": step_env, "kernels": step_kernels, "train": gpu_check_train.step,
+         "bench": step_bench}[args.step](args)
         return
     problem = missing(args.cpu)
     if problem:
@@ -142,9 +150,12 @@ def main(argv):
                 continue
             print(f"== {name} (at most {min(limit, left):.0f} s)", flush=True)
             t0 = time.time()
-            cmd = [sys.executable, str(Path(__file__)), f"--step={name}", f"--out={tmp}"] + (["--cpu"] if args.cpu else [])
-            status, result = run_step(cmd, min(limit, left), print, {"TRITON_INTERPRET": "1"} if args.cpu else None)
-            summary[name] = {"status": status, "seconds": round(time.time() - t0, 1), **(result or {})}
+            cmd = [sys.executable, str(Path(__file__)), f"--step={name}",
+                   f"--out={tmp}"] + (["--cpu"] if args.cpu else [])
+            status, result = run_step(cmd, min(limit, left), print,
+                                      {"TRITON_INTERPRET": "1"} if args.cpu else None)
+            summary[name] = {"status": status, "seconds": round(time.time() - t0, 1),
+                             **(result or {})}
             print(f"== {name}: {status} in {summary[name]['seconds']} s", flush=True)
     print("\nsummary: " + "; ".join(f"{n} {s['status']}" for n, s in summary.items()) +
           f" ({time.time() - start:.0f} s of {args.budget_s:.0f})")

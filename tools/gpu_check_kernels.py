@@ -4,10 +4,10 @@ PyTorch reference, forward and backward, on the device it runs on.
 BOOST (arXiv 2512.12131) sections 3-4 (online RMSNorm fused with the down-projection, the grouped
 up-projections, RMSNorm). Each tile configuration of triton_kernels.GEMM_CONFIGS is forced in turn
 (the autotuners get a list of one) on ragged shapes, bf16 and fp32; then the TP=4 slices of BOOST's
-1B and 7B shapes go through the real autotuners. Both sides get the same inputs rounded to the dtype;
-the reference computes in fp32, and the error is the largest difference relative to the largest
-reference value, for the outputs and for every input's gradient. On a CPU it runs in Triton's
-interpreter (one configuration, small shapes), which is how the tests run it.
+1B and 7B shapes go through the real autotuners. Both sides get the same inputs rounded to the
+dtype; the reference computes in fp32, and the error is the largest difference relative to the
+largest reference value, for the outputs and for every input's gradient. On a CPU it runs in
+Triton's interpreter (one configuration, small shapes), which is how the tests run it.
 """
 import contextlib
 
@@ -18,7 +18,8 @@ import triton_kernels as tk
 
 # ragged on purpose: no size a multiple of a tile (M, K, N) or of a group's width
 RAGGED = [("norm_down", [(77, 96), (96,), (40, 96)]), ("norm_down", [(130, 33), (33,), (72, 33)]),
-          ("grouped_up", [(77, 48), (40, 16), (24, 16), (24, 16)]), ("grouped_up", [(130, 40), (33, 20), (33, 20)]),
+          ("grouped_up", [(77, 48), (40, 16), (24, 16), (24, 16)]),
+          ("grouped_up", [(130, 40), (33, 20), (33, 20)]),
           ("rms_norm", [(77, 96), (96,)]), ("rms_norm", [(5, 5120), (5120,)])]
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 FN = {"norm_down": lambda x, g, A: list(kernels.norm_down(x, g, A)),
@@ -40,7 +41,8 @@ def outputs_and_grads(fn, inputs, upstream, impl):
 
 
 def compare(op, shapes, dtype, device, seed=0):
-    """(output error, gradient error) of the Triton path against the fp32 reference on the same inputs."""
+    """(output error, gradient error) of the Triton path against the fp32 reference on the same
+    inputs."""
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(s, generator=g) for s in shapes]
     if op != "grouped_up":
@@ -48,8 +50,10 @@ def compare(op, shapes, dtype, device, seed=0):
     got = {}
     for impl, dt in (("triton", dtype), ("torch", torch.float32)):
         up = torch.Generator().manual_seed(seed + 1)
-        got[impl] = outputs_and_grads(FN[op], [b.to(dtype).to(device=device, dtype=dt) for b in base],
-                                      lambda outs: [torch.randn(o.shape, generator=up).to(device) for o in outs], impl)
+        got[impl] = outputs_and_grads(FN[op],
+                                      [b.to(dtype).to(device=device, dtype=dt) for b in base],
+                                      lambda outs: [torch.randn(o.shape, generator=up).to(device)
+                                                    for o in outs], impl)
 
     def err(pairs):
         return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in pairs)
@@ -79,23 +83,27 @@ def check(op, shapes, dtype, device, label, log):
     """One comparison, logged as it comes; True when within TOL."""
     out_err, grad_err = compare(op, shapes, dtype, device)
     ok = max(out_err, grad_err) <= TOL[dtype]
-    log(f"{'ok  ' if ok else 'FAIL'} {label} {op} {'x'.join(map(str, shapes[0]))}: output {out_err:.1e}, "
+    log(f"{'ok  ' if ok else 'FAIL'} {label} {op} {'x'.join(map(str, shapes[0]))}: output "
+        f"{out_err:.1e}, "
         f"gradients {grad_err:.1e} (tolerance {TOL[dtype]:.0e})")
     return ok
 
 
 def run(device, log, real_shapes=True):
-    """Every configuration on the ragged shapes, then the real shapes autotuned; (passed, failed)."""
+    """Every configuration on the ragged shapes, then the real shapes autotuned; (passed,
+    failed)."""
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         bits = tk.bits(torch.empty(0, dtype=dtype))
         for i in range(len(tuners(bits)[0].configs)):
             with forced(bits, i) as config:
-                label = f"{str(dtype)[6:]} {'x'.join(str(v) for v in config.kwargs.values())} w{config.num_warps} s{config.num_stages}"
+                tiles = "x".join(str(v) for v in config.kwargs.values())
+                label = f"{str(dtype)[6:]} {tiles} w{config.num_warps} s{config.num_stages}"
                 results += [check(op, shapes, dtype, device, label, log) for op, shapes in RAGGED]
         if real_shapes:
             import bench_gpu
             for name, cfg in bench_gpu.shapes().items():
                 for case, op, shapes, _ in bench_gpu.kernel_cases(cfg):
-                    results.append(check(op, shapes, dtype, device, f"{str(dtype)[6:]} {name} TP=4 {case} (autotuned)", log))
+                    results.append(check(op, shapes, dtype, device,
+                                         f"{str(dtype)[6:]} {name} TP=4 {case} (autotuned)", log))
     return results.count(True), results.count(False)

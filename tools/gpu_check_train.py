@@ -27,33 +27,40 @@ TOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
 
 def plan(cpu):
-    """{run name: extra options} of the runs side by side, and the comparisons (run, against, dtype)."""
+    """{run name: extra options} of the runs side by side, and the comparisons (run, against,
+    dtype)."""
     dtypes = ["float32"] if cpu else ["float32", "bfloat16"]
-    impls = ["torch", "triton"] if cpu else ["torch", "triton", "auto"]   # (auto on a CPU is the reference)
+    # (auto on a CPU is the reference)
+    impls = ["torch", "triton"] if cpu else ["torch", "triton", "auto"]
     runs = {f"{k}-{d}": [f"--kernels={k}", f"--dtype={d}"] for k in impls for d in dtypes}
-    runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32", f"--max_iters={2 if cpu else 15}"]  # then resumed
+    runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32",
+                               f"--max_iters={2 if cpu else 15}"]   # then resumed
     runs["lowrank-float32"] = ["--kernels=triton", "--dtype=float32", "--recompute=lowrank"]
     if not cpu:
         runs["compiled-bfloat16"] = ["--kernels=auto", "--dtype=bfloat16", "--compile=true"]
     pairs = [(f"{k}-{d}", f"torch-{d}", d) for k in impls[1:] for d in dtypes]
-    pairs += [("resumed-float32", "triton-float32", "float32"), ("lowrank-float32", "triton-float32", "float32")]
+    pairs += [("resumed-float32", "triton-float32", "float32"),
+              ("lowrank-float32", "triton-float32", "float32")]
     if not cpu:
         pairs.append(("compiled-bfloat16", "auto-bfloat16", "bfloat16"))
     return runs, pairs
 
 
 def launch(name, extra, args, data_dir):
-    """Start one train.py run into <out>/<name>; (process, start time). Its output goes to <name>.log."""
-    cmd = [sys.executable, str(ROOT / "train.py"), f"--out_dir={Path(args.out) / name}", f"--data_dir={data_dir}",
+    """Start one train.py run into <out>/<name>; (process, start time). Its output goes to
+    <name>.log."""
+    cmd = [sys.executable, str(ROOT / "train.py"), f"--out_dir={Path(args.out) / name}",
+           f"--data_dir={data_dir}",
            "--log_interval=1", "--sample_tokens=0", "--warmup_iters=2",
            f"--device={'cpu' if args.cpu else 'cuda'}", *(CPU if args.cpu else GPU), *extra]
-    with open(Path(args.out) / f"{name}.log", "a") as log:   # (the child keeps its own copy of the handle)
+    # (the child keeps its own copy of the handle)
+    with open(Path(args.out) / f"{name}.log", "a") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), time.time()
 
 
 def finish(name, proc_t0, args):
-    """Wait for a run; its per-iteration losses ({iter: loss}, over every launch into its out_dir) or
-    None, logged."""
+    """Wait for a run; its per-iteration losses ({iter: loss}, over every launch into its out_dir)
+    or None, logged."""
     proc, t0 = proc_t0
     code = proc.wait()
     path = Path(args.out) / name / "metrics.jsonl"
@@ -61,7 +68,8 @@ def finish(name, proc_t0, args):
     losses = {r["iter"]: r["loss"] for r in records if "loss" in r}
     tail = (Path(args.out) / f"{name}.log").read_text().strip().splitlines()[-1:] or [""]
     print(f"{'ok  ' if code == 0 else 'FAIL'} run {name}: exit {code} in {time.time() - t0:.0f} s, "
-          f"{len(losses)} iterations" + (f", last loss {losses[max(losses)]:.4f}" if losses else f": {tail[0]}"), flush=True)
+          f"{len(losses)} iterations" + (f", last loss {losses[max(losses)]:.4f}" if losses
+                                         else f": {tail[0]}"), flush=True)
     return losses if code == 0 else None
 
 
@@ -72,19 +80,21 @@ def agree(a, b):
 
 
 def sample_ms(args):
-    """ms of the 200-token sample a run ends with (train.sample's path: autocast, the reference ops)."""
+    """ms of the 200-token sample a run ends with (train.sample's path: autocast, the reference
+    ops)."""
     import torch
-    from plumbing.tokenizer import load as load_tokenizer
     import kernels
-    from plumbing import options
-    from plumbing import placement
     from model import sample_text
-    cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2", "--kernels=auto"])
+    from plumbing import options, placement, plan
+    from plumbing.tokenizer import load as load_tokenizer
+    cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2",
+                                  "--kernels=auto"])
     cfg.vocab_size = options.vocab_size("bytes")
     dev = "cpu" if args.cpu else "cuda"
     kernels.select("auto", dev)
-    net = placement.build_model(options.plan(cfg, tc, 1), placement.Placement(1, 1, dev))[0]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
+    net = placement.build_model(plan.make(cfg, tc, 1), placement.Placement(1, 1, dev))[0]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else \
+        torch.autocast("cpu", enabled=False)
     t0 = time.time()
     with torch.no_grad(), autocast, kernels.reference():
         sample_text(net, load_tokenizer("bytes"), 200 if dev == "cuda" else 20, dev)
@@ -101,7 +111,9 @@ def step(args):
     started = {name: launch(name, extra, args, data_dir) for name, extra in runs.items()}
     losses = {name: finish(name, p, args) for name, p in started.items()}
     if losses["resumed-float32"] is not None:   # the second half, from the checkpoint at the middle
-        resumed = launch("resumed-float32", ["--kernels=triton", "--dtype=float32", "--init_from=resume"], args, data_dir)
+        resumed = launch("resumed-float32",
+                         ["--kernels=triton", "--dtype=float32", "--init_from=resume"], args,
+                         data_dir)
         losses["resumed-float32"] = finish("resumed-float32", resumed, args)
     failed = sum(v is None for v in losses.values())
     compared = {}
@@ -112,8 +124,10 @@ def step(args):
         compared[f"{run} vs {against}"] = diff
         ok = diff <= TOL[dtype]
         failed += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {run} against {against}: largest relative loss difference {diff:.1e} "
+        print(f"{'ok  ' if ok else 'FAIL'} {run} against {against}: largest relative loss "
+              f"difference {diff:.1e} "
               f"(tolerance {TOL[dtype]:.0e})", flush=True)
     ms = sample_ms(args)
     print(f"ok   sample of {200 if not args.cpu else 20} tokens in {ms:.0f} ms", flush=True)
-    print("RESULT " + json.dumps({"failed": failed, "compared": compared, "sample_ms": ms}), flush=True)
+    print("RESULT " + json.dumps({"failed": failed, "compared": compared, "sample_ms": ms}),
+          flush=True)

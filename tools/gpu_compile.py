@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
-os.environ["TRITON_INTERPRET"] = "0"   # compile, not interpret: before triton_kernels imports Triton
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["TRITON_INTERPRET"] = "0"  # compile, not interpret: before triton_kernels imports Triton
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -29,18 +30,20 @@ import triton_kernels as tk  # noqa: E402
 
 F32 = ("s_ptr", "ds_ptr", "dg_ptr", "rstd_ptr", "eps")   # always fp32
 I32 = ("meta_ptr",)
-GEMMS = {"norm_down_fwd": ("BM", "BN", "BK"), "norm_down_dx": ("BM", "BN", "BK"), "grouped_mm": ("BP", "BQ", "BK")}
+GEMMS = {"norm_down_fwd": ("BM", "BN", "BK"), "norm_down_dx": ("BM", "BN", "BK"),
+         "grouped_mm": ("BP", "BQ", "BK")}
 
 
-# the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them constants;
-# NormDown's "dA" has the strides of "dW")
-GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq"), "dW": ("s_ap", "s_bq", "s_cq")}
+# the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them
+# constants; NormDown's "dA" has the strides of "dW")
+GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq"),
+                 "dW": ("s_ap", "s_bq", "s_cq")}
 
 
 def signature(fn, dtype, ones=()):
     """Triton's signature of fn with its tensors in `dtype` ("bf16" or "fp32") and the arguments in
-    `ones` equal to 1, and its attributes as the JIT gives them for aligned shapes: every pointer and
-    every other integer divisible by 16."""
+    `ones` equal to 1, and its attributes as the JIT gives them for aligned shapes: every pointer
+    and every other integer divisible by 16."""
     sig, attrs = {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
@@ -66,25 +69,30 @@ def ptxas(ptx, cap):
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        res = subprocess.run([tool, "-v", f"--gpu-name=sm_{cap}{'a' if cap == 90 else ''}", path, "-o",
-                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True)
+        res = subprocess.run([tool, "-v", f"--gpu-name=sm_{cap}{'a' if cap == 90 else ''}", path,
+                              "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
+                             check=True)
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr))
     return regs, spills
 
 
 def cases():
-    """(sm, dtype, kernel, call, constexprs, num_warps, num_stages) of every configuration a GPU would run."""
+    """(sm, dtype, kernel, call, constexprs, num_warps, num_stages) of every configuration a GPU
+    would run."""
     for cap in (80, 90):
         for dtype, bits in (("bf16", 16), ("fp32", 32)):
             for name, blocks in GEMMS.items():
                 for cfg in tk.gemm_configs(blocks, bits, cap):
                     const = dict(cfg.kwargs, UPCAST=False)
-                    for call, ones in (GROUPED_CALLS.items() if name == "grouped_mm" else [("", ())]):
-                        yield cap, dtype, name, call, {**const, **({"G": 3} if ones else {}),
-                                                       **{o: 1 for o in ones}}, cfg.num_warps, cfg.num_stages
+                    for call, ones in (GROUPED_CALLS.items() if name == "grouped_mm"
+                                       else [("", ())]):
+                        consts = {**const, **({"G": 3} if ones else {}), **{o: 1 for o in ones}}
+                        yield cap, dtype, name, call, consts, cfg.num_warps, cfg.num_stages
             for name in ("rms_fwd", "rms_bwd"):
-                for block in (4096, 8192):   # d ≤ 4096 (up to 7B), and the 13B and 30B models' 5120, 6656
+                # d ≤ 4096 (up to 7B), and the 13B and 30B models' 5120, 6656
+                for block in (4096, 8192):
                     yield (cap, dtype, name, "", {"ROWS": tk.ROWS_CONFIG["ROWS"], "BLOCK": block},
                            tk.rms_warps(block, backward=name == "rms_bwd"), 1)
 
@@ -100,7 +108,8 @@ def compile_one(case):
     ptx = kernel.asm["ptx"]
     regs, spills = ptxas(ptx, cap)
     tiles = {k: v for k, v in const.items() if k not in ("UPCAST", "G") and not k.startswith("s_")}
-    return {"sm": cap, "kernel": name + (f" ({call})" if call else ""), "dtype": dtype, "tiles": tiles,
+    return {"sm": cap, "kernel": name + (f" ({call})" if call else ""), "dtype": dtype,
+            "tiles": tiles,
             "num_warps": warps, "num_stages": stages, "registers": regs, "spill_bytes": spills,
             "shared_bytes": kernel.metadata.shared, "gemm": name in GEMMS,
             "mma": "mma.sync" in ptx, "wgmma": "wgmma.mma_async" in ptx}
@@ -118,12 +127,14 @@ def main(argv):
     if "--json" in argv:
         print(json.dumps(rows))
         return
-    print("| sm | kernel | dtype | tiles | warps | stages | registers | spill bytes | shared KB | tensor cores |")
+    print("| sm | kernel | dtype | tiles | warps | stages | registers | spill bytes | shared KB | "
+          "tensor cores |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tc = "wgmma" if r["wgmma"] else "mma" if r["mma"] else "-"
         tiles = "x".join(str(v) for v in r["tiles"].values())
-        print(f"| {r['sm']} | {r['kernel']} | {r['dtype']} | {tiles} | {r['num_warps']} | {r['num_stages']} | "
+        print(f"| {r['sm']} | {r['kernel']} | {r['dtype']} | {tiles} | {r['num_warps']} | "
+              f"{r['num_stages']} | "
               f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] / 1024:.0f} | {tc} |")
 
 

@@ -1,7 +1,8 @@
 """plot.py: several runs side by side, from their metrics.jsonl: the curves of BOOST's comparisons.
 
 Not a figure of the BOOST paper (arXiv 2512.12131) itself; the way its §7 comparisons (CoLA against
-dense at equal steps, the layouts' losses lying on one another, their step times) are looked at here.
+dense at equal steps, the layouts' losses lying on one another, their step times) are looked at
+here.
 
     python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b] [--title=TEXT] [--diff]
 
@@ -19,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files live at the repository root
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plumbing import data  # noqa: E402  (after the path line)
 
@@ -28,8 +30,9 @@ NUMBERS = {"iter", "loss", "val_loss", "tokens_per_s", "tokens_per_iter"}   # wh
 
 
 def read_run(out_dir):
-    """{"train": [(iter, tokens, loss)], "val": [(iter, tokens, loss)], "speed": [(iter, tokens/s)]} of
-    an out_dir's metrics.jsonl; ValueError naming what is missing. A line cut short by a kill is skipped."""
+    """{"train": [(iter, tokens, loss)], "val": [(iter, tokens, loss)], "speed": [(iter,
+    tokens/s)]} of an out_dir's metrics.jsonl; ValueError naming what is missing. A line cut short
+    by a kill is skipped."""
     path = Path(out_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{out_dir} has no metrics.jsonl (is it a train.py out_dir?)")
@@ -51,7 +54,8 @@ def read_run(out_dir):
         if rec.get("event") in ("start", "resume"):
             per_iter = rec.get("tokens_per_iter", per_iter)
         elif "iter" in rec and "event" not in rec:
-            records[rec["iter"]] = {**rec, "per_iter": per_iter}   # a later attempt's record replaces
+            # a later attempt's record replaces
+            records[rec["iter"]] = {**rec, "per_iter": per_iter}
     if not records:
         raise ValueError(f"{path} holds no iteration records")
     run = {"train": [], "val": [], "speed": []}
@@ -93,12 +97,15 @@ def draw(runs, labels, out, title=None, diff=False):
     first = {p[0]: p[2] for p in runs[0]["train"]}
     for k, (run, label) in enumerate(zip(runs, labels)):
         color = f"C{k}"
-        lw = 1 + 2.5 * (len(runs) - 1 - k) / max(1, len(runs) - 1)   # earlier runs wider: equal curves show as bands
+        # earlier runs wider: equal curves show as bands
+        lw = 1 + 2.5 * (len(runs) - 1 - k) / max(1, len(runs) - 1)
         panels = ((0, axes[0]), (1, axes[1])) if not diff else ((0, axes[0]),)
         for x, ax in panels:   # x: 0 iterations, 1 tokens
-            ax.plot([p[x] for p in run["train"]], [p[2] for p in run["train"]], color=color, lw=lw, label=f"{label} train")
+            ax.plot([p[x] for p in run["train"]], [p[2] for p in run["train"]], color=color, lw=lw,
+                    label=f"{label} train")
             if run["val"]:
-                ax.plot([p[x] for p in run["val"]], [p[2] for p in run["val"]], "o--", color=color, ms=2 + lw,
+                ax.plot([p[x] for p in run["val"]], [p[2] for p in run["val"]], "o--", color=color,
+                        ms=2 + lw,
                         lw=lw, label=f"{label} val")
         if diff and k:
             gaps = [(p[0], abs(p[2] - first[p[0]])) for p in run["train"] if p[0] in first]
@@ -127,15 +134,19 @@ def draw(runs, labels, out, title=None, diff=False):
 
 
 def main(argv):
-    parser = data.CommandParser(prog="tools/plot.py", description="Draw train.py runs side by side.")
+    parser = data.CommandParser(prog="tools/plot.py",
+                                description="Draw train.py runs side by side.")
     parser.add_argument("out_dirs", nargs="+", metavar="OUT_DIR")
-    parser.add_argument("-o", "--output", required=True, metavar="FILE.png", help="a .png, .svg or .pdf (replaced)")
-    parser.add_argument("--labels", help="comma-separated, one per OUT_DIR (default: the folders' names)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                        help="a .png, .svg or .pdf (replaced)")
+    parser.add_argument("--labels", help="comma-separated, one per OUT_DIR (default: the folders' "
+                        "names)")
     parser.add_argument("--title")
     parser.add_argument("--diff", action="store_true",
                         help="the middle panel: each run's loss minus the first's")
     args = parser.parse_args(argv)
-    labels = args.labels.split(",") if args.labels else [Path(d).resolve().name for d in args.out_dirs]
+    labels = args.labels.split(",") if args.labels else [Path(d).resolve().name
+                                                         for d in args.out_dirs]
     if len(labels) != len(args.out_dirs):
         parser.error(f"--labels names {len(labels)} runs, {len(args.out_dirs)} OUT_DIRs given")
     check_output(parser, args.output)

@@ -1,0 +1,240 @@
+"""formats.py: this project's models in the folders other tools read, and those folders read back.
+
+Not in the BOOST paper (arXiv 2512.12131); what lets a model trained with BTP be evaluated (and a
+CoLA model trained elsewhere be trained on with BTP). interchange.py's export and import commands
+write and read these; docs/design.md states both formats:
+
+  hf    Hugging Face Llama (`model_type: llama`, `LlamaForCausalLM` loads it without custom code,
+        and so does lm-evaluation-harness). It computes down(silu(gate)·up) with dense
+        projections, so it holds the dense model, and the svd model after merging each W = B·A
+        (exact: σ is the identity there).
+  cola  the official CoLA format (`model_type: cola`, CoLA's `ColaForCausalLM`): every projection
+        is x @ cola_a, σ = hidden_act, @ cola_b, with cola_a (in, r) = A.weight.T and cola_b
+        (r, out) = B.weight.T; one `rank` for all projections; `only_lr_act` true for
+        down(gate·up), false for down(silu(gate)·up). Its k and v are n_head·head_dim wide.
+
+A folder is config.json and model.safetensors, as transformers writes them (import also reads a
+pytorch_model.bin, as tensors only); `boost_tokenizer` in config.json names the tokenizer. What a
+format cannot represent, or a folder whose weights do not fit its config.json, is refused with one
+line (ValueError).
+"""
+import json
+import os
+
+import torch
+
+import model as llama
+from plumbing import weights
+from plumbing.tokenizer import identity as tokenizer_identity, write_for_hf
+
+FORMATS = ("hf", "cola")
+PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n)
+                                                            for n in ("gate", "up", "down")]
+
+
+def check(cfg, fmt):
+    """ValueError naming what `fmt` cannot represent of this model."""
+    if getattr(cfg, "lax", False) and fmt in FORMATS:
+        raise ValueError(f"a LaX model's latents cross between layers (a gate and a LayerNorm per "
+                         f"projection), "
+                         f"which the {'Hugging Face Llama' if fmt == 'hf' else 'CoLA'} format "
+                         f"cannot hold: "
+                         "use --format=pt")
+    if fmt == "hf":
+        if cfg.arch == "cola":
+            raise ValueError("a cola model has σ = SiLU inside every projection, which Llama has "
+                             "not: "
+                             "use --format=cola")
+        if cfg.mlp_gate != "silu":
+            raise ValueError(f"Hugging Face Llama computes down(silu(gate)·up); this {cfg.arch} "
+                             f"model has "
+                             f"mlp_gate={cfg.mlp_gate}")
+    elif fmt == "cola":
+        if cfg.arch != "cola":
+            raise ValueError(f"the CoLA format applies σ = hidden_act to every latent; "
+                             f"arch={cfg.arch} "
+                             f"{'has none' if cfg.arch == 'svd' else 'has no bottlenecks'}: use "
+                             f"--format=hf"
+                             + (" (its projections merged, W = B·A)" if cfg.arch == "svd" else ""))
+        if cfg.attn_rank != cfg.mlp_rank:
+            raise ValueError(f"the CoLA format has one rank for every projection; this model has "
+                             f"attn_rank={cfg.attn_rank}, mlp_rank={cfg.mlp_rank}")
+        if cfg.n_kv_head != cfg.n_head:
+            raise ValueError(f"the CoLA format has no grouped-query attention; this model has "
+                             f"n_kv_head={cfg.n_kv_head} < n_head={cfg.n_head}")
+    else:
+        raise ValueError(f"format={fmt} is not one of {', '.join(FORMATS)}")
+
+
+def hf_config(cfg, fmt, tokenizer):
+    """config.json of a model (model.Config) in format `fmt`."""
+    out = {"architectures": ["LlamaForCausalLM" if fmt == "hf" else "ColaForCausalLM"],
+           "model_type": "llama" if fmt == "hf" else "cola",
+           "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
+           "num_attention_heads": cfg.n_head,
+           "num_key_value_heads": cfg.n_kv_head, "num_hidden_layers": cfg.n_layer,
+           "head_dim": cfg.head_dim,
+           "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
+           "max_position_embeddings": cfg.block_size,
+           "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+           "hidden_act": "silu",
+           "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+           "boost_tokenizer": tokenizer,
+           "boost_arch": cfg.arch}
+    if fmt == "cola":
+        out.update(rank=cfg.attn_rank, only_lr_act=cfg.mlp_gate == "none",
+                   max_sequence_length=cfg.block_size)
+    return out
+
+
+def tensor_names(cfg):
+    """The one name mapping both directions use: ([(our name, theirs)] of the tensors that are the
+    same in every format: embedding, norms), ([(our prefix, theirs)] of every projection)."""
+    same = [("tok_emb.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
+    projections = []
+    for i in range(cfg.n_layer):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        same += [(ours + "attn_norm.weight", theirs + "input_layernorm.weight"),
+                 (ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight")]
+        projections += [(f"{ours}{block}.{n}.", f"{theirs}{hf_block}.{n}_proj.")
+                        for block, hf_block, n in PROJECTIONS]
+    return same, projections
+
+
+def to_format(state, cfg, fmt, check_format=True):
+    """{name: tensor} of the model's state dict (single-device names) in format `fmt`."""
+    if check_format:
+        check(cfg, fmt)
+    same, projections = tensor_names(cfg)
+    out = {theirs: state[ours] for ours, theirs in same}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for src, dst in projections:
+        if cfg.arch == "full":
+            out[dst + "weight"] = state[src + "weight"]
+        elif fmt == "hf":   # svd: W = B·A, (out, r) @ (r, in)
+            out[dst + "weight"] = state[src + "B.weight"] @ state[src + "A.weight"]
+        else:
+            out[dst + "cola_a"] = state[src + "A.weight"].t().contiguous()   # (in, r)
+            out[dst + "cola_b"] = state[src + "B.weight"].t().contiguous()   # (r, out)
+    return {k: v.detach().clone().contiguous() if v.device.type != "meta" else v
+            for k, v in out.items()}
+
+
+def write(folder, state, cfg, fmt, tokenizer):
+    """A folder in format `fmt` (config.json, model.safetensors); refuses to write into a non-empty
+    one."""
+    tensors, st = to_format(state, cfg, fmt), weights.safetensors()
+    if os.path.exists(folder) and os.listdir(folder):
+        raise ValueError(f"{folder} exists and is not empty: choose another folder")
+    # (a tokenizer file that is gone: one line, before anything is written)
+    tokenizer_identity(tokenizer)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(cfg, fmt, tokenizer), f, indent=1)
+    st.save_file(tensors, os.path.join(folder, weights.WEIGHTS), metadata={"format": "pt"})
+    # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
+    write_for_hf(tokenizer, folder)
+
+
+INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "num_hidden_layers", "vocab_size", "max_position_embeddings", "rank", "head_dim")
+
+
+def config_kwargs(c, folder):
+    """model.Config keyword arguments of an hf or cola config.json; ValueError with one line for a
+    missing key, a value of the wrong type, or what this project cannot hold."""
+    kind = c.get("model_type")
+    if kind not in ("llama", "cola"):
+        raise ValueError(f"{folder}: model_type={kind!r} is not llama or cola")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise ValueError(f"{folder}: {key}=true: this project's projections have no bias")
+    if c.get("hidden_act", "silu") != "silu" or c.get("rope_scaling"):
+        raise ValueError(f"{folder}: hidden_act={c.get('hidden_act')}, "
+                         f"rope_scaling={c.get('rope_scaling')}: "
+                         "only silu and plain RoPE are supported")
+    needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+              "vocab_size")
+    for key in needed + (("rank",) if kind == "cola" else ()):
+        if key not in c:
+            raise ValueError(f"{folder}: config.json has no {key}")
+    for key in INT_KEYS:   # the optional ones may be null
+        if (key in needed or c.get(key) is not None) and key in c and \
+                (not isinstance(c[key], int) or isinstance(c[key], bool) or c[key] < 1):
+            raise ValueError(f"{folder}: config.json's {key}={c[key]!r} is not a positive integer")
+    for key in ("rope_theta", "rms_norm_eps"):
+        if not isinstance(c.get(key, 1.0), (int, float)) or isinstance(c.get(key), bool):
+            raise ValueError(f"{folder}: config.json's {key}={c[key]!r} is not a number")
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim", d // h) != d // h:
+        raise ValueError(f"{folder}: head_dim={c['head_dim']} is not "
+                         f"hidden_size/num_attention_heads={d // h}")
+    kw = dict(arch="full" if kind == "llama" else "cola", n_layer=c["num_hidden_layers"], n_head=h,
+              n_kv_head=c.get("num_key_value_heads") or h, n_embd=d,
+              mlp_width=c["intermediate_size"],
+              block_size=c.get("max_position_embeddings") or 2048, vocab_size=c["vocab_size"],
+              rope_base=float(c.get("rope_theta", 10000.0)),
+              norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+              tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    if kind == "cola":   # CoLA's k and v are n_head·head_dim wide whatever num_key_value_heads says
+        kw.update(attn_rank=c["rank"], mlp_rank=c["rank"],
+                  mlp_gate="none" if c.get("only_lr_act", True) else "silu",
+                  n_kv_head=h)
+    else:
+        kw.update(mlp_gate="silu")
+    return kw
+
+
+def read(folder):
+    """(model.Config keyword arguments, single-device state dict, tokenizer or None) of an hf or
+    cola folder, every tensor of the model present with its shape and none left over; ValueError
+    with one line otherwise."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder} is not a model folder: config.json is unreadable "
+                         f"({type(e).__name__})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"{folder}: config.json is not a JSON object")
+    kw = config_kwargs(c, folder)
+    try:
+        cfg = llama.Config(**kw)
+    except ValueError as e:
+        raise ValueError(f"{folder}: config.json describes no model this project can build "
+                         f"({e})") from None
+    tensors = weights.load(folder, needed_shapes(cfg), optional={"lm_head.weight"})   # (tied: none)
+    return kw, from_format(tensors, cfg), c.get("boost_tokenizer")
+
+
+def needed_shapes(cfg):
+    """{name: shape} of the tensors a folder of cfg's model holds, in its format: a model of two
+    layers is built on the meta device, and its last layer's names repeated (no model of cfg's size
+    is built: a config.json may describe one that would not fit)."""
+    small = llama.Config(**{**cfg.shape(), "n_layer": min(cfg.n_layer, 2)})
+    with torch.device("meta"):
+        state = llama.Llama(small).state_dict()
+    named = to_format(state, small, "cola" if cfg.arch == "cola" else "hf", check_format=False)
+    out, last = {}, f".layers.{small.n_layer - 1}."
+    for name, t in named.items():
+        if last in name:
+            out.update({name.replace(last, f".layers.{i}."): tuple(t.shape)
+                        for i in range(small.n_layer - 1, cfg.n_layer)})
+        else:
+            out[name] = tuple(t.shape)
+    return out
+
+
+def from_format(tensors, cfg):
+    """The single-device state dict of a folder's tensors (hf or cola names), checked by read()."""
+    same, projections = tensor_names(cfg)
+    state = {ours: tensors[theirs] for ours, theirs in same}
+    state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    for dst, src in projections:
+        if cfg.arch == "full":
+            state[dst + "weight"] = tensors[src + "weight"]
+        else:
+            state[dst + "A.weight"] = tensors[src + "cola_a"].t().contiguous()   # (r, in)
+            state[dst + "B.weight"] = tensors[src + "cola_b"].t().contiguous()   # (out, r)
+    return state

@@ -1,0 +1,92 @@
+"""plan.py: a run's plan, resolved once before any work: where it runs and how it is laid out.
+
+BOOST (arXiv 2512.12131) §3-6 lay a model out on (dp, pp, tp) processes; a run's options say how,
+some of them `auto`. Here they are resolved once, with every check that can fail, into a `Plan`
+that placement.py and train.py read and never resolve again: the data-parallel degree, the
+layout, the device and the dtype; and, for a resumed run, the options its checkpoint recorded.
+"""
+from dataclasses import dataclass
+
+import torch
+
+import checkpointing
+import sharding
+from model import Config
+from plumbing import options, rundir, train_state
+from plumbing.options import TrainConfig
+from plumbing.tokenizer import need
+
+
+def resolve(argv, world, log):
+    """(the run's Plan, the train_state.Resume it continues or None): the options of argv, or under
+    --init_from=resume those its newest intact checkpoint recorded where argv does not give them;
+    the tokenizer checked against that checkpoint's (its file gone or changed: one line) and its
+    vocabulary; every check made before any work (ValueError)."""
+    cfg, tc = options.parse_args(argv)
+    resume = options.resume_plan(argv, tc, log)
+    if resume:   # continue the run: the options its checkpoint recorded, unless argv gives them
+        cfg, tc = resume.cfg, resume.tc
+    if resume and tc.tokenizer == resume.meta.get("tokenizer"):   # its file gone or changed?
+        train_state.check_tokenizer(resume.found[0], resume.meta, tc.tokenizer)
+    cfg.vocab_size = options.vocab_size(tc.tokenizer)
+    if resume:
+        train_state.read_meta(resume.found[0], cfg.shape(), tc.tokenizer)
+    if tc.tensorboard:   # (one line now, not a traceback after the model is built)
+        need("tensorboard", "--tensorboard=true")
+        rundir.check_tensorboard(tc.out_dir)
+    return make(cfg, tc, world), resume
+
+
+@dataclass
+class Plan:
+    """A run as resolved once, before any work, from its options and its world size: every later
+    step (placement.py, train.py, explain.py) reads these and resolves nothing again."""
+    cfg: Config
+    tc: TrainConfig
+    world: int      # processes (torchrun's WORLD_SIZE)
+    dp: int         # data-parallel degree: world / (tp · pp) unless --dp gives it
+    layout: str     # btp | vanilla | megatron (auto: btp for low-rank, megatron for dense)
+    device: str     # cpu | cuda | cuda:N (auto resolved; under torchrun each rank its own GPU)
+    dtype: str      # float32 | bfloat16 (auto: bfloat16 on a GPU that has it)
+
+
+def make(cfg, tc, world):
+    """The run's Plan; ValueError where the layout cannot split the model, the world does not
+    factor into dp × pp × tp, or the recompute mode does not apply."""
+    dp = tc.dp or max(1, world // (tc.tp * tc.pp))
+    if dp * tc.pp * tc.tp != world:
+        raise ValueError(f"world size {world} is not dp × pp × tp = {dp} × {tc.pp} × {tc.tp}: "
+                         "set --dp, --pp and --tp, or torchrun --nproc_per_node")
+    if tc.gradient_accumulation_steps % dp:
+        raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not "
+                         f"divisible by the {dp} data-parallel ranks")
+    layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
+    sharding.check_divisible(cfg, tc.tp, layout, tc.pp)
+    if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
+        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: "
+                         f"raise gradient_accumulation_steps to {tc.pp * dp} or use "
+                         "--pp_schedule=gpipe")
+    if tc.dp_shard != "none":
+        check_dp_shard(tc, dp)
+    checkpointing.check_recompute(cfg, tc.recompute)
+    device = tc.device if tc.device != "auto" else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
+
+
+def compute_dtype(tc, device):
+    """--dtype as the run computes in: auto is bfloat16 on a GPU that has it, else float32."""
+    if tc.dtype != "auto":
+        return tc.dtype
+    cuda = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+    return "bfloat16" if cuda else "float32"
+
+
+def check_dp_shard(tc, dp):
+    """What --dp_shard composes with in this version (ValueError naming the rest)."""
+    if dp == 1:
+        raise ValueError(f"dp_shard={tc.dp_shard} shards over the data-parallel ranks, and this "
+                         f"run has dp=1")
+    if tc.compile:  # (FSDP2 under torch.compile wants per-layer compilation: not built, not tested)
+        raise ValueError(f"dp_shard={tc.dp_shard} does not compose with compile=true yet; "
+                         f"dp_shard=none does")
