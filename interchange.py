@@ -147,12 +147,13 @@ def _exported_file(text):
     return text
 
 
-def cli(argv):
+def parser_of():
+    """The commands' argument parser (one-line errors, exit status 2: plumbing/data.py's)."""
     from plumbing import data
     parser = data.CommandParser(prog="interchange.py",
-                                description="Export a training checkpoint (one file, or "
-                                "a folder other tools read), import such a folder as a checkpoint, "
-                                "or sample.")
+                                description="Export a training checkpoint (one file, or a folder "
+                                "other tools read), import such a folder as a checkpoint, or "
+                                "sample.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="write a checkpoint as one file (pt) or a Hugging Face / "
                        "CoLA folder")
@@ -161,9 +162,8 @@ def cli(argv):
     p.add_argument("out", type=data.new_path,
                    help="the file (pt) or folder (hf, cola) to write; must not exist")
     p.add_argument("--format", default="pt", choices=("pt",) + formats.FORMATS,
-                   help="pt: one torch.save file; hf: Hugging Face Llama (full, or svd merged W = "
-                   "B·A); "
-                        "cola: the official CoLA format (cola models)")
+                   help="pt: one torch.save file; hf: Hugging Face Llama (full, or svd merged "
+                   "W = B·A); cola: the official CoLA format (cola models)")
     p = sub.add_parser("import",
                        help="an hf or cola folder as the training checkpoint of a new run")
     p.add_argument("folder", help="a folder with config.json and model.safetensors (or "
@@ -182,6 +182,11 @@ def cli(argv):
     p.add_argument("--top_k", type=int, default=50,
                    help="sample from the k likeliest tokens; 0: from all (default 50)")
     p.add_argument("--seed", type=int, default=1337, help="of the sampling (default 1337)")
+    return parser
+
+
+def cli(argv):
+    parser = parser_of()
     args = parser.parse_args(argv)
     t0 = time.time()
     if args.command in ("export", "import"):

@@ -287,6 +287,19 @@ def prepare_once(dataset, tokenizer, data_dir, num_proc, val_fraction, text_fiel
     return out
 
 
+def too_small(dataset, reader, n, first, fraction):
+    """The ValueError of a corpus that gave one of the splits no token: what it held, and why."""
+    unit = f"pieces of up to {corpus.PIECE // 1024} KiB" if reader.opts[2] else "documents"
+    said = [f"{'; '.join(files)} {how}" for files, how in ((reader.skipped, "skipped"),
+                                                          (reader.damaged, "damaged")) if files]
+    where = f"{dataset}" + (f" ({'; '.join(said)})" if said else "")
+    lines = f"; {n['bad_lines']:,} JSON lines or rows had no text (first: {first['line']})" \
+        if n["bad_lines"] else ""
+    raise ValueError(f"{where} is too small to split: {n['docs']} documents, "
+                     f"{n['train'] + n['val']} tokens; {n['train_units']} {unit} drew train "
+                     f"and {n['val_units']} val (val_fraction {fraction})" + lines)
+
+
 def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     """Stream the corpus through the workers into the temporary split files, then publish them."""
     reader, t0, last = corpus.Reader(dataset, (fraction, field)), time.time(), time.time()
@@ -309,20 +322,12 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
             if time.time() - last > PROGRESS_S and reader.total_bytes:
                 last, done = time.time(), reader.read_bytes
                 rate = done / (last - t0)
-                log(f"data: {done / 1e9:.2f}/{reader.total_bytes / 1e9:.2f} GB read, {n['docs']:,} "
-                    f"documents, "
-                    f"{n['train'] + n['val']:,} tokens, {rate / 1e6:.1f} MB/s, "
+                log(f"data: {done / 1e9:.2f}/{reader.total_bytes / 1e9:.2f} GB read, "
+                    f"{n['docs']:,} documents, {n['train'] + n['val']:,} tokens, "
+                    f"{rate / 1e6:.1f} MB/s, "
                     f"eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
     if n["train"] == 0 or n["val"] == 0:
-        unit = f"pieces of up to {corpus.PIECE // 1024} KiB" if reader.opts[2] else "documents"
-        said = [f"{'; '.join(files)} {how}" for files, how in ((reader.skipped, "skipped"),
-                                                              (reader.damaged, "damaged")) if files]
-        where = f"{dataset}" + (f" ({'; '.join(said)})" if said else "")
-        lines = f"; {n['bad_lines']:,} JSON lines or rows had no text (first: {first['line']})" \
-            if n["bad_lines"] else ""
-        raise ValueError(f"{where} is too small to split: {n['docs']} documents, "
-                         f"{n['train'] + n['val']} tokens; {n['train_units']} {unit} drew train "
-                         f"and {n['val_units']} val (val_fraction {fraction})" + lines)
+        too_small(dataset, reader, n, first, fraction)
     crcs = {f"{split}_crc32": data.crc32(tmp[split]) for split in ("train", "val")}
     for split in ("train", "val"):
         os.replace(tmp[split], out / f"{split}.bin")
@@ -340,14 +345,13 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
         notes.append(f"{n['bad_lines']:,} malformed JSON lines or rows without text skipped "
                      f"(first: {first['line']})")
     log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({mb / seconds:.1f} MB/s, "
-        f"{num_proc} "
-        f"process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, {n['train']:,} train "
-        f"and {n['val']:,} "
-        f"val tokens, in {out}" + "".join(f"; {x}" for x in notes))
+        f"{num_proc} process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, "
+        f"{n['train']:,} train and {n['val']:,} val tokens, in {out}"
+        + "".join(f"; {x}" for x in notes))
     return {"dtype": np.dtype(token_dtype(enc.n_vocab)).name, "train_tokens": n["train"],
-            "val_tokens": n["val"],
-            **crcs, "max_id": max_id, "documents": n["docs"], "train_units": n["train_units"],
-            "val_units": n["val_units"], "split_by": "piece" if reader.opts[2] else "document",
+            "val_tokens": n["val"], **crcs, "max_id": max_id, "documents": n["docs"],
+            "train_units": n["train_units"], "val_units": n["val_units"],
+            "split_by": "piece" if reader.opts[2] else "document",
             "skipped_files": reader.skipped, "damaged_files": reader.damaged,
             "invalid_utf8_bytes": n["bad_bytes"], "malformed_json_lines": n["bad_lines"],
             "seconds": seconds}

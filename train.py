@@ -23,15 +23,15 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from plumbing import data, options, placement, rundir, train_state
-from plumbing.plan import resolve
 import dp_shard
 import kernels
 import prepare
 import sharding
 from model import estimate_mfu, sample_text
-from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer
 from parallel import LEDGER
+from plumbing import data, options, placement, rundir, train_state
+from plumbing.plan import resolve
+from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer
 
 
 def fail(msg):
@@ -100,12 +100,6 @@ def get_lr(it, tc):
     return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (tc.learning_rate - tc.min_lr)
 
 
-def fault_at(tc, kind, iter_num):
-    """True where --inject_fault asks for this fault now (never in a group torchrun restarted)."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return tc.inject_fault == f"{kind}:{iter_num}" and not restarted
-
-
 # ------------------------------------------------------------------------------ the run
 
 def train(plan, argv, resume, interrupt):
@@ -154,8 +148,7 @@ def train(plan, argv, resume, interrupt):
 
 
 class Run:
-    """What a run's steps share: options, place, data, the model as trained (compiled, DDP,
-    pipeline) and held."""
+    """What a run's steps share: options, place, data, the model as trained and as held."""
 
     def __init__(self, plan, place, splits, raw_model, optimizer, log, run_id, resume_from):
         cfg, tc = plan.cfg, plan.tc
@@ -241,9 +234,8 @@ def check_finite(run, iter_num):
     bad = int(run.nonfinite.item())
     if bad >= 0:
         fail(f"the loss or its gradient is not finite at iteration {bad} (its update skipped; "
-             f"stopped at "
-             f"iteration {iter_num}). The last good checkpoint ({run.last_ckpt or 'none'}) is "
-             f"untouched")
+             f"stopped at iteration {iter_num}). The last good checkpoint "
+             f"({run.last_ckpt or 'none'}) is untouched")
 
 
 def save_checkpoint(run, iter_num, crash=None):
@@ -254,9 +246,8 @@ def save_checkpoint(run, iter_num, crash=None):
     t = time.time()
     try:
         path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer,
-                                      run.place.ckpt_mesh,
-                                      meta, keep=run.tc.keep_checkpoints, before_publish=crash,
-                                      discard=run.damaged)
+                                      run.place.ckpt_mesh, meta, keep=run.tc.keep_checkpoints,
+                                      before_publish=crash, discard=run.damaged)
     except ValueError as e:   # the disk is full: one line, exit 2
         fail(e)
     run.damaged, run.last_ckpt = [], path
@@ -282,7 +273,7 @@ def train_step(run, iter_num):
                 run.model.set_requires_gradient_sync(sync)
             with (nullcontext() if sync or sharded else run.model.no_sync()), run.autocast:
                 loss = run.model(x, y)[1] / run.micro_steps
-                if fault_at(run.tc, "nan", iter_num):
+                if rundir.fault_at(run.tc, "nan", iter_num):
                     loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach().float()
@@ -317,8 +308,8 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
             f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s, "
             f"comm {comm['comm_bytes'] / 1e6:.2f} MB"
             + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
-            + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, eta "
-            f"{rundir.duration(eta)}")
+            + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, "
+            f"eta {rundir.duration(eta)}")
 
 
 def loop(run, iter_num, flops_per_token, interrupt):
@@ -326,9 +317,8 @@ def loop(run, iter_num, flops_per_token, interrupt):
     returns the signal number, or 0 at the end."""
     tc, log = run.tc, run.log
     start_iter, best_val, signum = iter_num, None, 0
-    profiler = rundir.profiler(tc.profile, tc.out_dir,
-                               dist.get_rank() if dist.is_initialized() else 0, log,
-                               tc.max_iters - iter_num)
+    world_rank = dist.get_rank() if dist.is_initialized() else 0
+    profiler = rundir.profiler(tc.profile, tc.out_dir, world_rank, log, tc.max_iters - iter_num)
     interrupt.armed = True
     t_start = t0 = time.time()
     while True:
@@ -344,12 +334,11 @@ def loop(run, iter_num, flops_per_token, interrupt):
             best_val = losses["val"] if best_val is None else min(best_val, losses["val"])
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if iter_num > 0:
-                save_checkpoint(run, iter_num,
-                                (lambda: os._exit(1)) if fault_at(tc, "kill_in_save", iter_num)
-                                else None)
+                crash = rundir.fault_at(tc, "kill_in_save", iter_num)
+                save_checkpoint(run, iter_num, (lambda: os._exit(1)) if crash else None)
             t0 = time.time()  # evaluation is not training time
         last_rank = int(os.environ.get("RANK", "0")) == run.place.world - 1
-        if fault_at(tc, "kill", iter_num) and last_rank:
+        if rundir.fault_at(tc, "kill", iter_num) and last_rank:
             os._exit(1)  # a rank dies mid-run; torchrun --max-restarts restarts the group
         if iter_num >= tc.max_iters:
             if record:
@@ -371,36 +360,39 @@ def loop(run, iter_num, flops_per_token, interrupt):
     interrupt.settle()
     if profiler:
         profiler.stop()
+    end(run, iter_num, signum, start_iter, best_val, time.time() - t_start)
+    return signum
+
+
+def end(run, iter_num, signum, start_iter, best_val, seconds):
+    """An interrupted run saves its step and says how to go on; a finished one sums itself up."""
     if signum:
         path = save_checkpoint(run, iter_num)
-        log(f"interrupted at iteration {iter_num}; saved {path}; continue with --init_from=resume")
+        run.log(f"interrupted at iteration {iter_num}; saved {path}; continue with "
+                "--init_from=resume")
         run.metrics.event("interrupted", iter=iter_num, signal=signum, checkpoint=path)
     else:
         check_finite(run, iter_num)
-        n = tc.max_iters - start_iter
-        summary = (f"{n} iterations ({start_iter}..{tc.max_iters}), {n * run.tokens_per_iter:,} "
-                   f"tokens in "
-                   f"{rundir.duration(time.time() - t_start)}")
+        n = run.tc.max_iters - start_iter
+        summary = (f"{n} iterations ({start_iter}..{run.tc.max_iters}), "
+                   f"{n * run.tokens_per_iter:,} tokens in {rundir.duration(seconds)}")
         best = f"; best val loss {best_val:.4f}" if best_val is not None else ""
-        log(f"done: {summary}{best}; last checkpoint {run.last_ckpt or 'none'}")
+        run.log(f"done: {summary}{best}; last checkpoint {run.last_ckpt or 'none'}")
         run.metrics.event("end", iter=iter_num, best_val_loss=best_val, checkpoint=run.last_ckpt)
     run.metrics.close()
-    return signum
 
 
 def sample(run):
     """A generated sample at the end of the run (every TP rank runs the forward; rank 0 prints)."""
     tc = run.tc
     if tc.sample_tokens > 0 and run.pipe:
-        run.log("no sample under pp > 1: export the checkpoint and run python interchange.py "
-                "sample")
+        run.log("no sample under pp > 1: export the checkpoint, then python interchange.py sample")
     if tc.sample_tokens <= 0 or run.pipe:
         return
     torch.manual_seed(tc.seed)
-    # M = 1..200 rows: too few for the kernels, each a new shape
-    with run.autocast, kernels.reference():
-        run.log("sample:\n" + sample_text(run.raw_model, load_tokenizer(tc.tokenizer),
-                                                      tc.sample_tokens, run.place.device))
+    enc = load_tokenizer(tc.tokenizer)
+    with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels
+        run.log("sample:\n" + sample_text(run.raw_model, enc, tc.sample_tokens, run.place.device))
 
 
 if __name__ == "__main__":

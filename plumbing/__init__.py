@@ -4,7 +4,8 @@ The files at the repository's root tell the story (model, layouts, sharding, par
 kernels, checkpointing, lax, dp_shard) and are the commands a user types (train, prepare,
 interchange); none of the story imports this package. Here:
 
-  options      train.py's options, their checks, and a run's Plan (resolved once)
+  options      train.py's options and their checks
+  plan         a run's Plan, resolved once before any work (dp, layout, device, dtype, resume)
   placement    the process group and (dp, pp, tp) mesh, and the build step: this rank's model
   rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
   train_state  training-state checkpoints (DCP): save, verify, choose, resume

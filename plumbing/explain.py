@@ -26,9 +26,9 @@ import checkpointing
 import dp_shard
 import kernels
 import pipeline
+from parallel import LEDGER
 from plumbing import placement
 from plumbing.notation import Names
-from parallel import LEDGER
 
 ATTENTION = "scaled_dot_product"
 GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.")

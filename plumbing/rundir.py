@@ -290,3 +290,9 @@ def profiler(spec, out_dir, rank, log, steps=None):
         on_trace_ready=write, record_shapes=True)
     prof.start()
     return prof
+
+
+def fault_at(tc, kind, iter_num):
+    """True where --inject_fault asks for this fault now (never in a group torchrun restarted)."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return tc.inject_fault == f"{kind}:{iter_num}" and not restarted

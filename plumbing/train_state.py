@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import dp_shard
-from plumbing import integrity
 import model as llama
+from plumbing import integrity
 from plumbing.tokenizer import identity as tokenizer_identity
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

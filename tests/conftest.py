@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plumbing import data, placement
 import parallel
 import prepare
 import train
 from model import Config
+from plumbing import data, placement
 
 ROOT = Path(__file__).resolve().parents[1]   # the repository: train.py and the other core files
 

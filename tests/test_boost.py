@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from plumbing import data, integrity, options, train_state
-from plumbing.tokenizer import load as load_tokenizer
 import interchange
 import prepare
 import train
-from conftest import ROOT, TINY, expect_error, group_of_one, losses, metrics, run_train, torchrun
 from model import Bottleneck, Config, Llama
+from plumbing import data, integrity, options, train_state
+from plumbing.tokenizer import load as load_tokenizer
+from conftest import ROOT, TINY, expect_error, group_of_one, losses, metrics, run_train, torchrun
 
 
 # ---------------------------------------------------------------------------- model

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plumbing import corpus, data
 import prepare
+from plumbing import corpus, data
 from conftest import ROOT, TINY, expect_error, losses, metrics
 
 EOT = 256  # the bytes tokenizer's <|endoftext|>

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from plumbing import options
-from conftest import ROOT
 from layouts import per_layer_traffic
 from model import Llama
+from plumbing import options
+from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 

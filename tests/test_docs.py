@@ -47,6 +47,13 @@ def test_code_files_and_functions_stay_small():
                 assert node.end_lineno - node.lineno < 60, f"{path.name}: {node.name} is {node.end_lineno - node.lineno + 1} lines"
 
 
+def test_code_lines_stay_within_100_characters():
+    """Code outside tests/ at most 100 characters a line (characters, not bytes: σ is one)."""
+    long = [f"{path.relative_to(ROOT)}:{i}" for path in code_files() if path.parent.name != "tests"
+            for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, long
+
+
 def test_every_file_opens_with_a_docstring_naming_it():
     for path in code_files():
         doc = ast.get_docstring(ast.parse(path.read_text()))

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointing import RECOMPUTE
 import dp_shard
 import layouts
 import parallel
 import pipeline
-from plumbing import placement
 import sharding
-from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
+from checkpointing import RECOMPUTE
 from model import Llama
+from plumbing import placement
+from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
 
 CASES = [("cola", "btp"), ("cola", "vanilla"), ("full", "megatron")]   # (at tp=1: a TP group of one)
 

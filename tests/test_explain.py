@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from plumbing import options
 from checkpointing import SavedBytes
 from layouts import per_layer_traffic
-from conftest import TINY, expect_error, group_of_one, metrics, torchrun
 from model import Llama
+from plumbing import options
+from conftest import TINY, expect_error, group_of_one, metrics, torchrun
 
 CASES = [("cola", "btp"), ("svd", "vanilla"), ("full", "megatron")]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import formats, integrity, train_state
 import interchange
 import prepare
+from plumbing import formats, integrity, train_state
 from conftest import ROOT, TINY, command, expect_error, metrics, run_train
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kernels
-from gpu_check_kernels import outputs_and_grads   # (tools/: the GPU check compares through it too)
 from conftest import ROOT, TINY, losses, torchrun
+from gpu_check_kernels import outputs_and_grads   # (tools/: the GPU check compares through it too)
 
 
 # bf16 keeps 8 bits of mantissa: compared in fp32 against the fp32 reference of the same inputs

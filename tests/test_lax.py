@@ -16,13 +16,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointing
 import layouts
 import parallel
-from plumbing import placement, train_state
 from checkpointing import SavedBytes
+from lax import factor_pair
+from model import Bottleneck, Llama
+from plumbing import placement, train_state
 from conftest import (ROOT, TINY, check_tp_step, command, expect_error, group_of_one, losses, metrics,
                       run_train, small_cfg,
                       spawn, torchrun)
-from lax import factor_pair
-from model import Bottleneck, Llama
 
 GATES = ("kron", "linear", "identity")
 CASES = [("cola", "btp", "kron"), ("svd", "btp", "linear"), ("cola", "vanilla", "kron"),

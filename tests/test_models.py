@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import interchange
+from model import Config, Llama
 from plumbing import formats, options, train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
-from model import Config, Llama
 
 CONFIGS = ROOT / "configs"
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import layouts
 import parallel
-from conftest import TP_CASES, expect_error, small_cfg, spawn
 from model import Llama
+from conftest import TP_CASES, expect_error, small_cfg, spawn
 
 
 def _collectives_worker(rank, world):

@@ -10,10 +10,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import layouts
 import parallel
+from model import Llama
 from plumbing import placement
 from ablations import ablated
 from conftest import TINY, TP_CASES, check_tp_step, losses, metrics, run_train, small_cfg, spawn, torchrun
-from model import Llama
 
 
 def _equivalence_worker(rank, world, meshes):

@@ -10,10 +10,10 @@ import torch.distributed as dist
 import layouts
 import parallel
 import pipeline
-from plumbing import placement
 import sharding
-from conftest import TINY, losses, metrics, run_train, small_cfg, spawn, torchrun
 from model import Llama
+from plumbing import placement
+from conftest import TINY, losses, metrics, run_train, small_cfg, spawn, torchrun
 
 
 def _pipeline_worker(rank, world, meshes):

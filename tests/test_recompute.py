@@ -10,8 +10,8 @@ import torch.distributed as dist
 import checkpointing
 import layouts
 import parallel
-from conftest import group_of_one, small_cfg, spawn
 from model import Config, Llama
+from conftest import group_of_one, small_cfg, spawn
 
 
 def lowrank_saved_per_token(layout, cfg, t, e=4):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from plumbing import integrity, options, plan, train_state
 import interchange
 import train
+from plumbing import integrity, options, plan, train_state
 from conftest import ROOT, TINY, command, expect_error, losses, metrics, run_train, torchrun
 
 RUN = ["--max_iters=8", "--eval_interval=4", "--lr_decay_iters=8", "--batch_size=2"]

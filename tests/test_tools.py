@@ -11,8 +11,8 @@ import torch
 
 import layouts
 import sharding
-from conftest import ROOT
 from model import Config, Llama
+from conftest import ROOT
 
 
 def test_cost_model_matches_model_and_ledger():

@@ -159,6 +159,23 @@ def tokenise_alone(jsonl, tokenizer, mb=100):
     return out, size
 
 
+def rounds_of(forms, folder, rounds):
+    """{(tokenizer, form, num_proc): [run_one's results, a round each]}, the rounds interleaved
+    (a slow moment of the machine falls on one run of each)."""
+    runs = {}
+    for round_ in range(rounds):
+        for tokenizer in ("bytes", "gpt2"):
+            for form, path in forms.items():
+                for num_proc in (1, 2):
+                    r = run_one(path, tokenizer,
+                                folder / f"d-{tokenizer}-{form}-{num_proc}-{round_}", num_proc)
+                    runs.setdefault((tokenizer, form, num_proc), []).append(r)
+                    print(f"  round {round_ + 1}: {tokenizer} {form} num_proc={num_proc}: "
+                          f"{r['seconds']:.1f} s (the rest of the machine: "
+                          f"{r['other_cpu_s']:.1f} CPU s, steal {r['steal_s']:.1f} s)", flush=True)
+    return runs
+
+
 def bench_data(mb, keep=None, rounds=3):
     """(title, header, rows, note, results) of the preparation of an `mb` MB corpus (kept in
     `keep`): the medians of `rounds` interleaved rounds."""
@@ -173,19 +190,7 @@ def bench_data(mb, keep=None, rounds=3):
     print(f"corpus: {mb} MB of text generated in {time.time() - t0:.0f} s: " +
           ", ".join(f"{f} {s / 1e6:.0f} MB" for f, s in sizes.items()), flush=True)
     text_mb = sizes["txt"] / 1e6
-    runs = {}
-    # interleaved: a slow moment of the machine falls on one run of each
-    for round_ in range(rounds):
-        for tokenizer in ("bytes", "gpt2"):
-            for form, path in forms.items():
-                for num_proc in (1, 2):
-                    r = run_one(path, tokenizer,
-                                folder / f"d-{tokenizer}-{form}-{num_proc}-{round_}", num_proc)
-                    runs.setdefault((tokenizer, form, num_proc), []).append(r)
-                    print(f"  round {round_ + 1}: {tokenizer} {form} num_proc={num_proc}: "
-                          f"{r['seconds']:.1f} s "
-                          f"(the rest of the machine: {r['other_cpu_s']:.1f} CPU s, steal "
-                          f"{r['steal_s']:.1f} s)", flush=True)
+    runs = rounds_of(forms, folder, rounds)
     rows, out = [], {}
     for (tokenizer, form, num_proc), rs in runs.items():
         mb_of = text_mb * (3 if form == "mixed" else 1)
@@ -199,24 +204,21 @@ def bench_data(mb, keep=None, rounds=3):
             "tokens_per_s": r["tokens"] / s, "speedup": single / s, "main_mb": main_mb,
             "worker_mb": worker_mb, "other_cpu_s": [x["other_cpu_s"] for x in rs]}
         rows.append([tokenizer, form, num_proc, f"{s:.1f}", f"{mb_of / s:.1f}",
-                     f"{r['tokens'] / s / 1e6:.2f}M",
-                     f"{main_mb:.0f}", f"{worker_mb:.0f}" if num_proc > 1 else "-",
-                     f"{single / s:.2f}"])
+                     f"{r['tokens'] / s / 1e6:.2f}M", f"{main_mb:.0f}",
+                     f"{worker_mb:.0f}" if num_proc > 1 else "-", f"{single / s:.2f}"])
     title = (f"Preparing {text_mb:.0f} MB of text (Python's standard library, repeated; mixed: "
-             f"{3 * text_mb:.0f} MB) "
-             f"on {os.cpu_count()} CPUs, medians of {rounds} interleaved rounds")
+             f"{3 * text_mb:.0f} MB) on {os.cpu_count()} CPUs, medians of {rounds} interleaved "
+             "rounds")
     header = ["tokenizer", "form", "num_proc", "s", "MB/s", "tokens/s", "main peak MB",
-              "worker peak MB",
-              "vs num_proc=1"]
+              "worker peak MB", "vs num_proc=1"]
     alone, size = tokenise_alone(forms["jsonl"], "gpt2", min(100, mb))
     two = out["gpt2 jsonl num_proc=2"]["mb_per_s"]
     out["tokenise_alone_gpt2"] = {"mb": size / 1e6, "threads_1": alone[1], "threads_2": alone[2],
                                   "processes_2": two}
     note = (f"Two cores for gpt2, the tokenisation alone on the first {size / 1e6:.0f} MB of "
-            f"documents in memory: "
-            f"1 thread {alone[1]:.1f} MB/s, tiktoken's batch encoding on 2 threads {alone[2]:.1f} "
-            f"MB/s; "
-            f"prepare.py with 2 processes, reading and writing included: {two:.1f} MB/s")
+            f"documents in memory: 1 thread {alone[1]:.1f} MB/s, tiktoken's batch encoding on 2 "
+            f"threads {alone[2]:.1f} MB/s; prepare.py with 2 processes, reading and writing "
+            f"included: {two:.1f} MB/s")
     if tmp:
         tmp.cleanup()
     return title, header, rows, note, out
