@@ -24,7 +24,9 @@ import zlib
 
 import torch
 
+import layouts
 import model as llama
+import parallel
 from plumbing import formats, integrity, train_state
 from plumbing.tokenizer import (identity as tokenizer_identity, in_folder as tokenizer_in,
                                 keep as keep_tokenizer, load as load_tokenizer)
@@ -79,8 +81,7 @@ def export(path, out, fmt="pt"):
 def import_folder(folder, out_dir, tokenizer=None):
     """An hf or cola folder as the iteration-0 training checkpoint of a new run in out_dir, which
     --init_from=resume continues under any layout (fresh AdamW moments). Returns its folder."""
-    from plumbing import options
-    from plumbing import rundir
+    from plumbing import options, rundir
     rundir.check_place(out_dir)
     kw, state, named = formats.read(folder)
     # --tokenizer, else the folder's file, else its name
@@ -89,17 +90,18 @@ def import_folder(folder, out_dir, tokenizer=None):
         raise ValueError(f"{folder} does not name its tokenizer: pass --tokenizer")
     if options.vocab_size(tokenizer) != kw["vocab_size"]:
         raise ValueError(f"the model's vocabulary of {kw['vocab_size']} is not the "
-                         f"{options.vocab_size(tokenizer)} "
-                         f"of --tokenizer={tokenizer} (padded to a multiple of 64)")
+                         f"{options.vocab_size(tokenizer)} of --tokenizer={tokenizer} (padded to "
+                         "a multiple of 64)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} is a file: import needs a new or empty out_dir")
     found = rundir.earlier_run(out_dir)
     if found:
         raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): import "
-                         f"into a new "
-                         "or empty out_dir")
-    m = llama.Llama(llama.Config(**kw))
-    m.load_state_dict(state)
+                         "into a new or empty out_dir")
+    ref = llama.Llama(llama.Config(**kw))
+    ref.load_state_dict(state)
+    # saved as a tp=1 run holds it: the layout with a TP group of one (the file is layout-free)
+    m = layouts.TPLlama(ref, parallel.TPGroup(None, 0, 1), "btp" if ref.cfg.lowrank else "megatron")
     # a copy in out_dir/tokenizer/ for the runs that continue it
     tokenizer = keep_tokenizer(tokenizer, out_dir)
     meta = {"config": m.cfg.shape(), "tokenizer": tokenizer,

@@ -119,8 +119,7 @@ def _which(op, shape_key, fn, args):
         _choices[(op, key)] = min(times, key=times.get)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch "
-                  f"{times['torch']:.3f} ms: "
-                  f"{_choices[(op, key)]}")
+                  f"{times['torch']:.3f} ms: {_choices[(op, key)]}")
     return _choices[(op, key)]
 
 
@@ -244,8 +243,7 @@ def rms_norm(x, gamma, eps):
     return RMSNormFn.apply(x2, gamma, eps).view(x.shape)
 
 
-# ------------------------------------------------------------------------- autograd of the Triton
-# kernels (triton_kernels.py)
+# ------------------------------------------- autograd of the Triton kernels (triton_kernels.py)
 
 class NormDown(torch.autograd.Function):
     @staticmethod
@@ -267,8 +265,8 @@ class NormDown(torch.autograd.Function):
         x, gamma, A = ctx.saved_tensors
         (M, K), N = x.shape, A.shape[0]
         dH = dH.contiguous()
-        dS = torch.zeros(M, dtype=torch.float32,
-                         device=x.device) if dS is None else dS.float().contiguous()
+        dS = torch.zeros(M, dtype=torch.float32, device=x.device) if dS is None else \
+            dS.float().contiguous()
         up, ieee = tk.dot_flags(x)
         dx = torch.empty_like(x)
         # per row block

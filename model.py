@@ -169,8 +169,8 @@ def apply_rope(x, cos, sin):
 
 
 def causal_attention(q, k, v, n_head, n_kv_head, cos, sin):
-    """Multi-head causal attention with RoPE and GQA on projected q (b, s, h·hd), k, v (b, s,
-    kvh·hd).
+    """Multi-head causal attention with RoPE and GQA on the projected q (b, s, h·hd) and k, v
+    (b, s, kvh·hd).
 
     Head counts are arguments so tensor-parallel layouts call it with their local heads."""
     b, s, _ = q.shape
@@ -219,8 +219,8 @@ class MLP(nn.Module):
     def forward(self, x, prev=(None,) * 3):
         """(output, the latents of gate, up, down); prev: the previous layer's (LaX)."""
         (g, hg), (u, hu) = project(self.gate, x, prev[0]), project(self.up, x, prev[1])
-        out, hd = project(self.down, gated_product(self.mlp_gate, g, u),
-                          prev[2])  # (b, s, d_ff) -> (b, s, d)
+        a = gated_product(self.mlp_gate, g, u)                     # (b, s, d_ff)
+        out, hd = project(self.down, a, prev[2])                   # (b, s, d)
         return out, (hg, hu, hd)
 
 

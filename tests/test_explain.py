@@ -148,7 +148,7 @@ def test_explain_with_dp_counts_the_gradient_all_reduce_or_fsdps_collectives(tmp
     assert flops(fsdp) == flops(ddp)
     ops = lambda out: {line for line in out.split("this step's totals")[0].splitlines()[1:]   # (the layers
                        if line.startswith("    ") and " dp: " not in line}   # differ in where FSDP gathers)
-    assert ops(fsdp) == ops(ddp) and any("attn.q.A" in line for line in ops(fsdp))
+    assert ops(fsdp) == ops(ddp) and any("A_qkv" in line for line in ops(fsdp))   # (btp at tp=1)
 
 
 @pytest.mark.slow
