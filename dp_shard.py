@@ -112,10 +112,22 @@ def rows_held(model, rows):
     return parts[dp_rank].numel() if dp_rank < len(parts) else 0
 
 
-def put_back(t, gathered, dp_rank, dp):
-    """Copy this rank's dp shard of `gathered` (the TP-local tensor) into the sharded `t` (FSDP2
-    shards dim 0 as torch.chunk does)."""
-    mine, parts = local(t), torch.chunk(gathered, dp, dim=0)
-    # (fewer rows than ranks: some hold none)
-    part = parts[dp_rank] if dp_rank < len(parts) else gathered[:0]
-    mine.copy_(part.reshape(mine.shape))
+def rows_of(t):
+    """(lo, hi): the rows of the TP-local tensor this rank's dp shard of `t` holds (FSDP2 cuts
+    dim 0 as torch.chunk does: some ranks may hold none)."""
+    mesh, n = t.device_mesh, t.shape[0]
+    size = -(-n // mesh.size())   # torch.chunk's rows a shard
+    lo = min(n, mesh.get_local_rank() * size)
+    return lo, min(n, lo + size)
+
+
+def write_rows(param, rows, values):
+    """values into rows `rows` (a slice) of the TP-local parameter; under --dp_shard only the
+    rows this rank's shard holds."""
+    if not is_sharded(param):
+        param.data[rows].copy_(values)
+        return
+    lo, hi = rows_of(param)
+    a, b = max(rows.start, lo), min(rows.stop, hi)
+    if a < b:
+        param.to_local()[a - lo:b - lo].copy_(values[a - rows.start:b - rows.start])

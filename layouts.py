@@ -36,7 +36,7 @@ import dp_shard
 import kernels
 import lax
 from checkpointing import run_layers
-from model import Llama, causal_attention, gated_product, latent_act
+from model import Llama, causal_attention, gated_product, latent_act, rope_table
 from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
 from sharding import Sharded, check_divisible
@@ -328,6 +328,13 @@ class TPLlama(Sharded):
         self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
         for m in self.modules():
             m._full = None  # the full weights are not kept
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """RoPE's tables, computed here (a model cut on the meta device holds none)."""
+        cos, sin = rope_table(self.cfg)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def embedding(self):
         """The embedding as this rank uses it: (V, d/t) under btp, else (V, d)."""

@@ -208,36 +208,53 @@ class Gather(torch.autograd.Function):
         return grad[..., i * ctx.width:(i + 1) * ctx.width].contiguous(), None
 
 
+CE_CHUNK = 1 << 24   # elements of logits the cross-entropy turns to fp32 at once (64 MB)
+
+
+def _row_chunks(n, width):
+    """(start, end) row ranges of an (n, width) tensor, CE_CHUNK elements each at most."""
+    step = max(1, CE_CHUNK // width)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _exp_shifted(logits, m, a, b):
+    """exp(logits - m) of rows a:b in fp32 (c, V/t): the one temporary of the cross-entropy."""
+    return (logits[a:b].float() - m[a:b, None]).exp_()
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary (N, V/t), targets (N,) -> loss (N,).
 
     Forward: three all-reduces of N elements (max, target logit, sum of exponentials).
-    Backward: local, softmax minus one-hot on this rank's slice."""
+    Backward: local, softmax minus one-hot on this rank's slice. In bounded memory: beside the
+    logits (which the caller holds) and the gradient, only a chunk of rows in fp32 at a time
+    (CE_CHUNK); backward recomputes the softmax from the logits and the two saved N-vectors."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
-        logits = logits.float()
-        v_local = logits.shape[-1]
+        n, v_local = logits.shape
         start = group_rank(group) * v_local
-        m = all_reduce(logits.max(dim=-1).values, group, "fwd", op=dist.ReduceOp.MAX)  # (N,)
-        shifted = logits - m.unsqueeze(-1)                                             # (N, V/t)
         outside = (target < start) | (target >= start + v_local)
         local_t = (target - start).masked_fill(outside, 0)
-        rows = torch.arange(len(target), device=logits.device)
-        picked = all_reduce(shifted[rows, local_t].masked_fill(outside, 0.0), group, "fwd")
-        exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1), group, "fwd")                            # (N,)
-        softmax = exp / sum_exp.unsqueeze(-1)   # not in place: torch.compile refuses a saved alias
-        ctx.save_for_backward(softmax, outside, local_t)
+        rows = torch.arange(n, device=logits.device)
+        m = all_reduce(logits.max(dim=-1).values.float(), group, "fwd", op=dist.ReduceOp.MAX)
+        picked = (logits[rows, local_t].float() - m).masked_fill(outside, 0.0)        # (N,)
+        picked = all_reduce(picked, group, "fwd")
+        sum_exp = torch.cat([_exp_shifted(logits, m, a, b).sum(dim=-1)
+                             for a, b in _row_chunks(n, v_local)])                    # (N,)
+        sum_exp = all_reduce(sum_exp, group, "fwd")
+        ctx.save_for_backward(logits, m, sum_exp, outside, local_t)
         return sum_exp.log() - picked
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, outside, local_t = ctx.saved_tensors
-        rows = torch.arange(len(local_t), device=grad.device)
-        g = softmax.clone()
-        g[rows, local_t] -= (~outside).float()
-        return g * grad.unsqueeze(-1), None, None
+        logits, m, sum_exp, outside, local_t = ctx.saved_tensors
+        g = torch.empty_like(logits)                                                   # (N, V/t)
+        for a, b in _row_chunks(*logits.shape):
+            p = _exp_shifted(logits, m, a, b).div_(sum_exp[a:b, None])   # softmax (c, V/t)
+            p[torch.arange(b - a, device=p.device), local_t[a:b]] -= (~outside[a:b]).float()
+            g[a:b] = p.mul_(grad[a:b, None])
+        return g, None, None
 
 
 # --------------------------------------------------------------------------- process groups

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dp_shard
 import lax
@@ -88,6 +89,17 @@ class Sharded(nn.Module):
         dp_shard.py) is told of it too, for checkpointing's low-rank segments, which run the layer
         in pieces and not through forward."""
         return fn(self, *args)
+
+    def pieces(self):
+        """(local parameter, full name, its rows in the local tensor, shard dim or None) for every
+        full-model parameter each local one is cut from."""
+        params, out = dict(self.named_parameters()), []
+        for name, spec in self.named_specs():
+            start = 0
+            for piece, rows in zip(spec.pieces, spec.rows):
+                out.append((params[name], piece, slice(start, start + rows), spec.dim))
+                start += rows
+        return out
 
     def named_specs(self):
         """(local parameter name, Spec) for every parameter."""
@@ -186,3 +198,62 @@ def reduce_tied_grad(model, pp_group=None):
     buf = all_reduce(buf, pp_group, "grad")   # (V, d), or this dp shard of its rows; in place
     if held is not None and not dp_shard.is_sharded(held.grad):
         held.grad = buf
+
+
+# ---------------------------------------------------- a rank's part built alone (the meta device)
+
+class Recorder(TorchDispatchMode):
+    """The single-device model's initialisation as it runs on the meta device: every in-place op
+    on a meta tensor, in order, with its arguments (the random draws among them), so that
+    `materialize` can replay it with the same generator, one parameter at a time."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__.endswith("_") and args and torch.is_tensor(args[0]) \
+                and args[0].is_meta:
+            self.ops.append((func, args[0], args[1:], kwargs))
+        return func(*args, **kwargs)
+
+
+OVERWRITES = ("normal_", "uniform_", "fill_", "zero_")   # in-place ops that ignore what was there
+RANDOM = ("normal_", "uniform_")
+
+
+def materialize(model, ref, ops, seed):
+    """Fill the layout `model` (cut from `ref` on the meta device, then `to_empty`) with exactly
+    what the reference built on the CPU after torch.manual_seed(seed) holds: `ops` (a Recorder's)
+    replayed in order on the CPU generator, each full parameter generated alone, its part copied
+    into this rank's parameters (under --dp_shard into its dp shard of them), then freed. The peak
+    is this rank's part and one full parameter; every draw happens as in the original, so each
+    value is the same to the bit."""
+    params = dict(ref.named_parameters())   # (a tied head is the embedding: one name)
+    names = {p.untyped_storage()._cdata: n for n, p in params.items()}
+    last = {t.untyped_storage()._cdata: i for i, (_, t, _, _) in enumerate(ops)}
+    missing = set(params) - {names[k] for k in last if k in names}
+    if missing:
+        raise ValueError(f"no initialisation recorded for {sorted(missing)}")
+    where = {}
+    for local, name, rows, dim in model.pieces():
+        where.setdefault(name, []).append((local, rows, dim))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for i, (func, t, args, kwargs) in enumerate(ops):
+            key, kind = t.untyped_storage()._cdata, func.overloadpacket.__name__
+            if key not in names or last[key] != i:   # overwritten later, or dropped (tied head)
+                if kind in RANDOM:   # its draws still come before the next op's
+                    func(torch.empty(t.shape, dtype=t.dtype), *args, **kwargs)
+                continue
+            name = names[key]
+            if kind not in OVERWRITES or t.shape != params[name].shape:
+                raise ValueError(f"{name}'s initialisation ends with {func.name()} on a "
+                                 f"{tuple(t.shape)} view: it cannot be replayed alone")
+            full = torch.empty(t.shape, dtype=t.dtype)
+            func(full, *args, **kwargs)
+            for local, rows, dim in where.get(name, ()):
+                part = full if dim is None else full.chunk(model.tp.size, dim)[model.tp.tp_rank]
+                dp_shard.write_rows(local, rows, part)
+            full = part = None   # (freed before the next is made: one full parameter at a time)

@@ -36,48 +36,85 @@ from plumbing.tokenizer import identity as tokenizer_identity
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _pieces(raw_model):
-    """(local parameter, full name, rows in the local tensor, shard dim or None) for every piece."""
-    params = dict(raw_model.named_parameters())   # (a layouts.TPLlama: every run trains one)
-    out = []
-    for name, spec in raw_model.named_specs():
-        start = 0
-        for piece, rows in zip(spec.pieces, spec.rows):
-            out.append((params[name], piece, slice(start, start + rows), spec.dim))
-            start += rows
-    return out
-
-
-def state_views(raw_model, optimizer, mesh, copies=None):
+def state_views(raw_model, optimizer, mesh):
     """{key: tensor} of views into this rank's parameters and AdamW moments, under single-device
     names; DTensors on the (dp, tp) mesh when distributed. DCP saves from them and loads into them.
-    Under --dp_shard (dp_shard.py) they view gathered copies of the dp shards, listed in `copies`
-    as (shard, copy)."""
+    Under --dp_shard (dp_shard.py) each is this rank's dp shard of its piece as it is held, a
+    `Block` of the full tensor: nothing is gathered."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     for p in raw_model.parameters():  # AdamW makes its state lazily: make it now, to load into
         if not optimizer.state[p]:
-            optimizer.state[p].update(step=torch.zeros(()),
+            # (on the parameter's device, where the fused AdamW keeps it)
+            optimizer.state[p].update(step=torch.zeros((), device=p.device),
                                       **{k: torch.zeros_like(p) for k in MOMENTS})
-    # gathered: under --dp_shard, (parameter, kind) -> (its shard, gathered whole)
-    views, gathered = {}, {}
-    for p, name, rows, dim in _pieces(raw_model):
+    views = {}
+    for p, name, rows, dim in raw_model.pieces():
         for kind, tensor in [("model", p.data)] + [(k, optimizer.state[p][k]) for k in MOMENTS]:
-            # the file holds the TP-local tensors whole, whatever dp_shard;
-            if dp_shard.is_sharded(tensor):
-                # one copy a parameter, whose pieces view its rows
-                if (id(p), kind) not in gathered:
-                    gathered[(id(p), kind)] = (tensor, dp_shard.whole(tensor))
-                tensor = gathered[(id(p), kind)][1]
             key = "model." + name if kind == "model" else f"optim.{kind}.{name}"
+            if dp_shard.is_sharded(tensor):
+                block = dp_block(tensor, rows, dim, raw_model.tp)
+                if block is not None:   # (a shard may hold no row of this piece)
+                    views[key] = block
+                continue
             view = tensor[rows]
             if mesh is not None:
                 view = DTensor.from_local(view, mesh,
                                           [Replicate(), Replicate() if dim is None else Shard(dim)])
             views[key] = view
     views["optim.step"] = optimizer.state[next(raw_model.parameters())]["step"]
-    if copies is not None:   # load() writes what it read back into the shards
-        copies.extend(gathered.values())
     return views
+
+
+class Block(torch.Tensor):
+    """A rectangular block of a full (single-device) tensor that this rank holds, as DCP saves
+    and loads it: the local values (shared, so a load writes into them), the full tensor's size and
+    the block's offsets in it. Any block, so a dp shard of a TP shard is saved as it is held."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl   # (ops give plain tensors)
+
+    @staticmethod
+    def __new__(cls, local, size, offsets):
+        block = torch.Tensor._make_subclass(cls, local)
+        block.full_size, block.offsets = torch.Size(size), torch.Size(offsets)
+        return block
+
+    def size(self, dim=None):   # DCP compares the saved size with this one: the full tensor's
+        return self.full_size if dim is None else self.full_size[dim]
+
+    def _chunk(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return ChunkStorageMetadata(offsets=self.offsets, sizes=torch.Tensor.size(self))
+
+    def __create_chunk_list__(self):
+        return [self._chunk()]
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                          WriteItemType)
+        local = self.as_subclass(torch.Tensor)
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=self._chunk(), size=self.full_size,
+                              properties=TensorProperties.create_from_tensor(local)))]
+
+    def __get_tensor_shard__(self, index):
+        return self.as_subclass(torch.Tensor)
+
+
+def dp_block(tensor, rows, dim, tp):
+    """This rank's dp shard of a piece (rows `rows` of a TP-local tensor FSDP2 shards over dp) as
+    a Block of the full tensor, or None where the shard holds none of its rows."""
+    lo, hi = dp_shard.rows_of(tensor)
+    a, b = max(rows.start, lo), min(rows.stop, hi)
+    if a >= b:
+        return None
+    shape = [rows.stop - rows.start, *tensor.shape[1:]]           # the piece, TP-local
+    offsets = [a - rows.start] + [0] * (len(shape) - 1)
+    if dim is not None:   # the piece is this TP rank's chunk of the full tensor along dim
+        offsets[dim] += tp.tp_rank * shape[dim]
+        shape[dim] *= tp.size
+    return Block(tensor.to_local()[a - lo:b - lo], shape, offsets)
 
 
 # ------------------------------------------------------------------------ files and their checksums
@@ -298,19 +335,15 @@ def choose(resume, config, tokenizer, load, same, log=print):
 def load(path, meta, raw_model, optimizer, mesh):
     """Load a checkpoint into this rank's parameters and moments, whatever layout wrote it: None, or
     the one line that says why it could not be read (the same on every rank)."""
-    copies = []
-    views = state_views(raw_model, optimizer, mesh, copies)
+    views = state_views(raw_model, optimizer, mesh)
     error = integrity.dcp_load(views, path, meta["files"], no_dist=mesh is None)   # (no code runs)
     if dist.is_initialized():  # all ranks fail together, none is left waiting in a collective
         box = [None] * dist.get_world_size()
         dist.all_gather_object(box, error)
         error = next((e for e in box if e), None)
-    for sharded, copy in copies:   # --dp_shard: this rank's shard of what was read
-        mesh = sharded.device_mesh
-        dp_shard.put_back(sharded, copy, mesh.get_local_rank(), mesh.size())
     if error:
         return error
     step = views["optim.step"]
     for p in raw_model.parameters():
-        optimizer.state[p]["step"] = step.clone()
+        optimizer.state[p]["step"] = step.detach().clone().to(p.device)
     return None

@@ -137,6 +137,7 @@ def test_a_missing_package_is_one_line(tmp_path, monkeypatch, tokenizers_dir):
     with pytest.raises(ValueError, match=r"^reading the corpus's .parquet files needs the pyarrow package: pip install pyarrow$"):
         prepare.check_preparation(str(src), tmp_path / "d", 1, 0.1)
     monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    monkeypatch.setattr(tokenizer, "_LOADED", {})   # (as in a new process: nothing loaded yet)
     with pytest.raises(ValueError, match=r"needs the sentencepiece package: pip install sentencepiece$"):
         tokenizer.load(str(tokenizers_dir / "sp.model"))
 

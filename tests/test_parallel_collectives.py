@@ -69,16 +69,23 @@ def _collectives_worker(rank, world):
     assert torch.equal(y, torch.tensor([[1.0] * 3 + [2.0] * 3] * 2))
     y.backward(torch.arange(12.0).view(2, 6).t().contiguous().t())
     assert torch.equal(x.grad, torch.arange(12.0).view(2, 6)[:, 3 * rank:3 * rank + 3])
-    # vocab-parallel cross-entropy equals F.cross_entropy on the full logits
+    # vocab-parallel cross-entropy equals F.cross_entropy on the full logits, in one chunk of rows
+    # or in chunks of 2 and of 3 rows (the last one short), with its three all-reduces
     torch.manual_seed(0)
     logits = torch.randn(5, 8, requires_grad=True)
     target = torch.tensor([0, 3, 4, 7, 5])
     torch.nn.functional.cross_entropy(logits, target, reduction="none").mul(torch.arange(1.0, 6)).sum().backward()
-    local = logits.detach()[:, 4 * rank:4 * rank + 4].clone().requires_grad_()
-    loss = parallel.VocabParallelCrossEntropy.apply(local, target, g)
-    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.detach(), target, reduction="none"))
-    loss.mul(torch.arange(1.0, 6)).sum().backward()
-    torch.testing.assert_close(local.grad, logits.grad[:, 4 * rank:4 * rank + 4])
+    default = parallel.CE_CHUNK
+    for chunk in (default, 8, 12):   # elements: (5, 4) local logits, so 2 and 3 rows a chunk
+        parallel.CE_CHUNK = chunk
+        local = logits.detach()[:, 4 * rank:4 * rank + 4].clone().requires_grad_()
+        parallel.LEDGER.reset()
+        loss = parallel.VocabParallelCrossEntropy.apply(local, target, g)
+        assert parallel.LEDGER.total(unit="calls") == 3, chunk
+        torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.detach(), target, reduction="none"))
+        loss.mul(torch.arange(1.0, 6)).sum().backward()
+        torch.testing.assert_close(local.grad, logits.grad[:, 4 * rank:4 * rank + 4])
+    parallel.CE_CHUNK = default
 
 
 def test_collectives_forward_and_backward():

@@ -160,7 +160,7 @@ def test_interrupt_saves_and_resumes_exactly(tmp_path, data_dir, nproc, sig):
 
 @pytest.mark.slow
 def test_second_signal_stops_at_once():
-    code = ("import os, signal, time, rundir\n"
+    code = ("import os, signal, time\nfrom plumbing import rundir\n"
             "i = rundir.Interrupt(print); i.armed = True\n"
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
             "assert i.signum == signal.SIGINT\n"

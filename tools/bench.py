@@ -19,6 +19,8 @@
     python tools/bench.py checkpoint  # what the checksums of a 3.7 GB training checkpoint cost
     python tools/bench.py dp_shard  # DDP vs FSDP2 (--dp_shard=grad, full) at dp=2: ms, peak
                                     # memory (bench_dp_shard.py)
+    python tools/bench.py startup  # a rank's build: boost_1b measured (whole then cut vs the
+                                   # meta device), the papers' 7B-30B predicted (bench_startup.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
                                    # Triton vs PyTorch, and a 1B-shaped training step per arch,
                                    # compile off/on (bench_gpu.py)
@@ -269,11 +271,11 @@ def bench_checkpoint(extra):
 
 
 BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
-           "dp_shard")
+           "dp_shard", "startup")
 
 
 def rounds_of(extra, default):
-    """--rounds=N of `data` and `dp_shard` (a usage error unless N >= 1)."""
+    """--rounds=N of `data`, `dp_shard` and `startup` (a usage error unless N >= 1)."""
     rounds = next((a.split("=", 1)[1] for a in extra if a.startswith("--rounds=")), str(default))
     if not rounds.isdigit() or int(rounds) < 1:
         usage_error(f"--rounds={rounds} must be a whole number of at least 1")
@@ -365,6 +367,9 @@ def main(argv):
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
+    elif what == "startup":
+        import bench_startup
+        text, out = bench_startup.bench(rounds_of(extra, 2))
     elif what == "dp_shard":
         import bench_dp_shard
         text, out = bench_dp_shard.bench(iters, [a for a in extra if not a.startswith("--rounds=")],

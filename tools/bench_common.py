@@ -32,9 +32,10 @@ def train_run(nproc, args, out_dir):
 
 
 def steady(records, key):
-    """Median of `key` over the training records, the first 3 (warm-up) left out."""
-    values = [r[key] for r in records if "loss" in r][3:]
-    return statistics.median(values)
+    """Median of `key` over the training records, the first 3 (warm-up) left out where there are
+    more."""
+    values = [r[key] for r in records if "loss" in r]
+    return statistics.median(values[3:] or values)   # (a short run: all of them)
 
 
 def shape_args(extra, default):

@@ -1,0 +1,135 @@
+"""bench_startup.py: `python tools/bench.py startup`: what building a rank's model costs, measured
+here for boost_1b and predicted from the meta model for the papers' 7B, 13B and 30B shapes.
+
+BOOST (arXiv 2512.12131) trains these shapes on nodes of 8 GPUs; a rank that built the whole
+single-device model in fp32 before cutting its part needed the whole model's bytes on its host at
+start, and under --dp_shard gathered every parameter and both AdamW moments at each checkpoint.
+Measured: each rank of boost_1b (configs/boost_1b.toml, a 32,000-token vocabulary) at tp=1, tp=2
+and dp2 x tp2 with --dp_shard=full builds its model both ways in its own process, the ways
+interleaved (`--rounds`, default 2; medians): the whole reference cut (the way before) and the
+meta-device build (placement.build_model): seconds and the peak memory above the process's start
+(VmHWM), on rank 0. Predicted: parameters and bytes a rank of a node of 8 holds at tp=4 (the
+paper's TP degree; with --dp_shard=full over the node's 2 dp ranks), at the build, in training and
+at a checkpoint, before and now.
+"""
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files: the root
+
+CASES = {"tp=1": (1, ["--tp=1"]), "tp=2": (2, ["--tp=2"]),
+         "dp2 x tp2, dp_shard=full": (4, ["--tp=2", "--dp_shard=full"])}
+VOCAB = 32000
+
+
+def _rss(field):
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith(field)) * 1024
+
+
+def _worker(rank, world, store, args, way, result):
+    """Build this rank's model `way` (whole: the reference built and cut; meta: build_model) and
+    write rank 0's seconds and peak bytes above the start."""
+    import time
+    import torch
+    import torch.distributed as dist
+    import dp_shard
+    import layouts
+    import parallel
+    from model import Llama
+    from plumbing import options, placement
+    from plumbing.plan import make
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                store=dist.FileStore(store, world))
+    cfg, tc = options.parse_args([str(Path(__file__).resolve().parents[1] / "configs" /
+                                      "boost_1b.toml"), *args])
+    cfg.vocab_size = VOCAB
+    plan = make(cfg, tc, world)
+    place = placement.place_processes(plan)
+    open("/proc/self/clear_refs", "w").write("5")   # the peak from here
+    before, t0 = _rss("VmRSS"), time.time()
+    if way == "meta":
+        placement.build_model(plan, place)
+    else:   # the way before: the whole reference in fp32, then this rank's part cut from it
+        torch.manual_seed(tc.seed)
+        model = layouts.TPLlama(Llama(cfg), place.tp, plan.layout)
+        if tc.dp_shard != "none":
+            dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, plan.dtype, parallel.LEDGER)
+    seconds, peak = time.time() - t0, _rss("VmHWM") - before
+    if rank == 0:
+        Path(result).write_text(json.dumps({"s": seconds, "peak_gb": peak / 1e9}))
+    placement.exit_worker(world)
+
+
+def measure(rounds):
+    """{case: {way: {"s", "peak_gb"}}}: medians of `rounds`, the ways interleaved."""
+    import torch.multiprocessing as mp
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(rounds):
+            for case, (world, args) in CASES.items():
+                for way in ("whole", "meta"):
+                    out = f"{tmp}/{round_}-{world}-{way}.json"
+                    mp.start_processes(_worker, args=(world, f"{tmp}/store-{round_}-{world}-{way}",
+                                                      args, way, out),
+                                       nprocs=world, start_method="spawn")
+                    r = json.loads(Path(out).read_text())
+                    runs.setdefault(case, {}).setdefault(way, []).append(r)
+                    print(f"  round {round_ + 1}: {case} {way}: {r['s']:.1f} s, "
+                          f"{r['peak_gb']:.2f} GB", flush=True)
+    return {case: {way: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                   for way, rs in ways.items()} for case, ways in runs.items()}
+
+
+def predict(name, arch, tp=4, dp=2):
+    """A rank's share of a paper shape at tp (and dp_shard=full over dp): counts from the meta
+    model, bytes fp32."""
+    import torch
+    import layouts
+    import parallel
+    from model import Llama
+    from plumbing import options
+    root = Path(__file__).resolve().parents[1]
+    cfg, _ = options.parse_args([str(root / "configs" / f"{name}.toml"), f"--arch={arch}"])
+    cfg.vocab_size = VOCAB
+    with torch.device("meta"):
+        ref = Llama(cfg)
+        part = layouts.TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp" if cfg.lowrank
+                               else "megatron")
+    n, mine = ref.num_params(), sum(p.numel() for p in part.parameters())
+    largest = max(p.numel() for p in ref.parameters())
+    return {"params": n, "per_rank": mine, "build_before_gb": 4 * (n + mine) / 1e9,
+            "build_now_gb": 4 * (mine + largest) / 1e9, "train_gb": 16 * mine / 1e9,
+            "train_sharded_gb": 16 * mine / dp / 1e9,
+            "ckpt_before_gb": (16 * mine / dp + 12 * mine) / 1e9,
+            "ckpt_now_gb": (16 * mine / dp + 4 * largest) / 1e9}
+
+
+def bench(rounds=2):
+    """(markdown text, results) of both tables."""
+    from bench_common import table
+    measured = measure(rounds)
+    rows = [[case, f"{r['whole']['s']:.1f}", f"{r['meta']['s']:.1f}",
+             f"{r['whole']['peak_gb']:.2f}", f"{r['meta']['peak_gb']:.2f}"]
+            for case, r in measured.items()]
+    predicted = {f"{name} ({arch})": predict(name, arch) for name, arch in
+                 (("boost_7b", "cola"), ("paper_13b", "cola"), ("paper_30b", "cola"),
+                  ("paper_30b", "full"))}
+    prows = [[name, f"{p['params'] / 1e9:.2f}B", f"{p['per_rank'] / 1e6:,.0f}M",
+              f"{p['build_before_gb']:.1f} / {p['build_now_gb']:.1f}",
+              f"{p['train_gb']:.1f} / {p['train_sharded_gb']:.1f}",
+              f"{p['ckpt_before_gb']:.1f} / {p['ckpt_now_gb']:.1f}"]
+             for name, p in predicted.items()]
+    text = ("boost_1b (32,000-token vocabulary), rank 0's build, medians of "
+            f"{rounds} interleaved rounds\n\n" +
+            table(["layout", "s, whole then cut", "s, meta build", "peak GB, whole then cut",
+                   "peak GB, meta build"], rows) +
+            "\n\nPredicted from the meta model: one rank at tp=4 (fp32; training: weights, "
+            "gradients, AdamW's moments; dp_shard: full over 2 dp ranks)\n\n" +
+            table(["shape", "parameters", "per rank", "build GB before / now",
+                   "training GB / with dp_shard", "dp_shard checkpoint GB before / now"], prows))
+    return text, {"measured": measured, "predicted": predicted}
