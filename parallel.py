@@ -218,8 +218,8 @@ def _row_chunks(n, width):
 
 
 def _exp_shifted(logits, m, a, b):
-    """exp(logits - m) of rows a:b in fp32 (c, V/t): the one temporary of the cross-entropy."""
-    return (logits[a:b].float() - m[a:b, None]).exp_()
+    """exp(logits - m) of rows a:b in fp32 (c, V/t): the cross-entropy's temporaries are these."""
+    return torch.exp(logits[a:b].float() - m[a:b, None])
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -228,7 +228,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: three all-reduces of N elements (max, target logit, sum of exponentials).
     Backward: local, softmax minus one-hot on this rank's slice. In bounded memory: beside the
     logits (which the caller holds) and the gradient, only a chunk of rows in fp32 at a time
-    (CE_CHUNK); backward recomputes the softmax from the logits and the two saved N-vectors."""
+    (CE_CHUNK); backward recomputes the softmax, exp(logits - log Σ exp), from the logits."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
@@ -243,17 +243,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = torch.cat([_exp_shifted(logits, m, a, b).sum(dim=-1)
                              for a, b in _row_chunks(n, v_local)])                    # (N,)
         sum_exp = all_reduce(sum_exp, group, "fwd")
-        ctx.save_for_backward(logits, m, sum_exp, outside, local_t)
+        lse = m + sum_exp.log()   # log Σ exp(logits), the softmax's normaliser: saved, (N,)
+        ctx.save_for_backward(logits, lse, outside, local_t)
         return sum_exp.log() - picked
 
     @staticmethod
     def backward(ctx, grad):
-        logits, m, sum_exp, outside, local_t = ctx.saved_tensors
+        logits, lse, outside, local_t = ctx.saved_tensors
         g = torch.empty_like(logits)                                                   # (N, V/t)
         for a, b in _row_chunks(*logits.shape):
-            p = _exp_shifted(logits, m, a, b).div_(sum_exp[a:b, None])   # softmax (c, V/t)
+            p = _exp_shifted(logits, lse, a, b)                             # softmax (c, V/t)
             p[torch.arange(b - a, device=p.device), local_t[a:b]] -= (~outside[a:b]).float()
-            g[a:b] = p.mul_(grad[a:b, None])
+            g[a:b] = p * grad[a:b, None]
         return g, None, None
 
 

@@ -25,7 +25,6 @@ from torch.utils.flop_counter import flop_registry
 import checkpointing
 import dp_shard
 import kernels
-import pipeline
 from parallel import LEDGER
 from plumbing import placement
 from plumbing.notation import Names
@@ -338,25 +337,24 @@ def main(plan, place, model):
     """--explain=true: one recorded step of the model train.py built for this rank
     (placement.Placement says where it sits), printed by rank 0; nothing else runs and no file is
     written."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dataclasses import replace
     cfg, tc, layout = plan.cfg, plan.tc, plan.layout
-    world, dp, mesh, tp, device = place.world, place.dp, place.mesh, place.tp, place.device
+    world, mesh, tp, device = place.world, place.mesh, place.tp, place.device
     coords = {name: mesh.get_local_rank(name)
               for name in ("dp", "pp", "tp")} if mesh is not None else {}
     rank = dist.get_rank() if world > 1 else 0
-    pipe, ddp = None, None
     b = 2
     s = unnamed_length(cfg, b)
     names = Names(cfg, tc.tp, b, s)
     x = torch.randint(0, cfg.vocab_size, (b, s),
                       generator=torch.Generator().manual_seed(tc.seed + rank)).to(device)
-    if tc.pp > 1:  # one micro-batch, GPipe: the ops of one pass through the stages
-        pipe = pipeline.Pipeline(model, mesh, 1, "gpipe", device)
-        pipe.run(x, x)  # its first run infers the shapes between stages with an extra forward:
-        model.zero_grad(set_to_none=True)   # not recorded
-    elif dp > 1 and tc.dp_shard == "none":  # (dp_shard: FSDP2 already holds the model: dp_shard.py)
-        ddp = DDP(model, process_group=mesh.get_group("dp"))
-        ddp.register_comm_hook(mesh.get_group("dp"), placement.ledger_ddp_hook)
+    # wrapped as a run wraps it (DDP, or the pipeline: one micro-batch, GPipe, so the printout is
+    # one pass through the stages), not compiled: the ops are recorded eagerly
+    wrapped, pipe = placement.wrap(model, replace(tc, pp_schedule="gpipe", compile=False), place, 1)
+    ddp = wrapped if wrapped is not model else None
+    if pipe:   # its first run infers the shapes between stages with an extra forward: not recorded
+        pipe.run(x, x)
+        model.zero_grad(set_to_none=True)
     events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device",
                                           pipe, ddp)
     view, sums = layer_view(events), totals(counts, saved, flops, b * s, names)

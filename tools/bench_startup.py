@@ -109,6 +109,58 @@ def predict(name, arch, tp=4, dp=2):
             "ckpt_now_gb": (16 * mine / dp + 4 * largest) / 1e9}
 
 
+CE_CODE = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import parallel
+
+def rss(field):
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith(field)) * 1024
+
+class Before(torch.autograd.Function):   # the cross-entropy as it was: four (N, V) fp32 at once
+    @staticmethod
+    def forward(ctx, logits, target):
+        logits = logits.float()
+        m = logits.max(dim=-1).values
+        shifted = logits - m.unsqueeze(-1)
+        rows = torch.arange(len(target))
+        picked = shifted[rows, target]
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, target)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, target = ctx.saved_tensors
+        g = softmax.clone()
+        g[torch.arange(len(target)), target] -= 1
+        return g * grad.unsqueeze(-1), None
+
+logits = torch.randn(4096, 32000, requires_grad=True)
+target = torch.randint(0, 32000, (4096,))
+open("/proc/self/clear_refs", "w").write("5")
+before = rss("VmRSS")
+if {old!r}:
+    loss = Before.apply(logits, target).mean()
+else:
+    loss = parallel.VocabParallelCrossEntropy.apply(logits, target, None).mean()
+loss.backward()
+print(rss("VmHWM") - before)
+"""
+
+
+def cross_entropy_peak(old):
+    """Peak bytes above the logits of one forward and backward of the cross-entropy over 4096
+    tokens x 32000 (fp32 logits: 524 MB), the old way or the chunked one, in a fresh process."""
+    import subprocess
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", CE_CODE.format(root=root, old=old)],
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    return int(out.split()[-1])
+
+
 def bench(rounds=2):
     """(markdown text, results) of both tables."""
     from bench_common import table
@@ -124,6 +176,8 @@ def bench(rounds=2):
               f"{p['train_gb']:.1f} / {p['train_sharded_gb']:.1f}",
               f"{p['ckpt_before_gb']:.1f} / {p['ckpt_now_gb']:.1f}"]
              for name, p in predicted.items()]
+    ce = {way: statistics.median(cross_entropy_peak(way == "before") for _ in range(rounds)) / 1e9
+          for way in ("before", "now")}
     text = ("boost_1b (32,000-token vocabulary), rank 0's build, medians of "
             f"{rounds} interleaved rounds\n\n" +
             table(["layout", "s, whole then cut", "s, meta build", "peak GB, whole then cut",
@@ -131,5 +185,8 @@ def bench(rounds=2):
             "\n\nPredicted from the meta model: one rank at tp=4 (fp32; training: weights, "
             "gradients, AdamW's moments; dp_shard: full over 2 dp ranks)\n\n" +
             table(["shape", "parameters", "per rank", "build GB before / now",
-                   "training GB / with dp_shard", "dp_shard checkpoint GB before / now"], prows))
-    return text, {"measured": measured, "predicted": predicted}
+                   "training GB / with dp_shard", "dp_shard checkpoint GB before / now"], prows) +
+            "\n\nThe vocabulary-parallel cross-entropy, one process, 4096 tokens x 32000 (fp32 "
+            f"logits 0.52 GB): peak above the logits in forward and backward, {ce['before']:.2f} "
+            f"GB before, {ce['now']:.2f} GB now (the gradient itself is 0.52 GB)")
+    return text, {"measured": measured, "predicted": predicted, "cross_entropy_gb": ce}
