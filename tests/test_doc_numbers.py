@@ -104,3 +104,16 @@ def test_every_command_in_the_docs_names_what_exists():
                 assert key in known, f"{page.name}: {command.strip()} names --{key}, which train.py has not"
         for path in re.findall(r"\b((?:configs|tools)/[a-z][\w.]*\.(?:toml|py|sh))\b", page.read_text()):
             assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
+
+
+def test_startup_predictions_are_the_meta_models():
+    """results.md's predicted table (tools/bench.py startup): parameters, per rank and bytes, from
+    the meta model as the bench counts them."""
+    import bench_startup
+    for name, params, per_rank, build, train, ckpt in rows("docs/results.md", "| shape | parameters"):
+        config, arch = name.split(" (")
+        p = bench_startup.predict(config, arch.rstrip(")"))
+        assert params == f"{p['params'] / 1e9:.2f}B" and per_rank == f"{p['per_rank'] / 1e6:,.0f}M"
+        assert build == f"{p['build_before_gb']:.1f} / {p['build_now_gb']:.1f}", name
+        assert train == f"{p['train_gb']:.1f} / {p['train_sharded_gb']:.1f}", name
+        assert ckpt == f"{p['ckpt_before_gb']:.1f} / {p['ckpt_now_gb']:.1f}", name

@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files: the root
 
 CASES = {"tp=1": (1, ["--tp=1"]), "tp=2": (2, ["--tp=2"]),
-         "dp2 x tp2, dp_shard=full": (4, ["--tp=2", "--dp_shard=full"])}
+         "dp2 x tp2, dp_shard=full": (4, ["--tp=2", "--dp_shard=full",
+                                          "--gradient_accumulation_steps=2"])}
 VOCAB = 32000
 
 

@@ -20,7 +20,7 @@ GPU = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--n_kv_head=4", "--block_si
        "--batch_size=8", "--max_iters=30", "--lr_decay_iters=30", "--eval_interval=15",
        "--eval_iters=2"]
 # interpreted Triton takes seconds a step on a CPU: one layer, one evaluation batch
-CPU = ["--n_layer=1", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=32",
+CPU = ["--n_layer=1", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=16",
        "--batch_size=2", "--max_iters=4", "--lr_decay_iters=4", "--eval_interval=2",
        "--eval_iters=1"]
 TOL = {"float32": 1e-3, "bfloat16": 2e-2}
