@@ -107,10 +107,10 @@ def test_every_command_in_the_docs_names_what_exists():
 
 
 def test_startup_predictions_are_the_meta_models():
-    """results.md's predicted table (tools/bench.py startup): parameters, per rank and bytes, from
+    """scale.md's predicted table (tools/bench.py startup): parameters, per rank and bytes, from
     the meta model as the bench counts them."""
     import bench_startup
-    for name, params, per_rank, build, train, ckpt in rows("docs/results.md", "| shape | parameters"):
+    for name, params, per_rank, build, train, ckpt in rows("docs/scale.md", "| shape | parameters"):
         config, arch = name.split(" (")
         p = bench_startup.predict(config, arch.rstrip(")"))
         assert params == f"{p['params'] / 1e9:.2f}B" and per_rank == f"{p['per_rank'] / 1e6:,.0f}M"
