@@ -27,12 +27,13 @@ call of it, `layer.call`, which FSDP2 all-gathers the layer's parameters around:
 Saved per token per layer with `lowrank` (e = bytes per activation element; with rank ra for
 attention and rm for the MLP):
   btp          (4·ra + 3·rm + 2 + 2·d/t)·e       the all-reduced latents (q/k/v and gate/up with
-                                                  their norm statistic) and the residuals x and x'
-  one device   (4·ra + 3·rm + 2·d)·e             the latents A·x and the residuals x and x'
+                                                  their norm statistic) and the residuals x and x';
+                                                  one device is btp at t=1 (every run trains a
+                                                  layout: at tp=1 a TP group of one)
   vanilla      (4·ra/t + 3·rm/t + 2·d)·e         local latent slices, replicated residuals; here
                                                   each B ends in an all-reduce inside its segment,
                                                   so recompute replays them (the paper's point)
-With `layer`: d/t·e (btp) or d·e (one device, vanilla, megatron) per token per layer.
+With `layer`: d/t·e (btp) or d·e (vanilla, megatron) per token per layer.
 
 Under LaX (lax.py) every segment also takes the previous layer's latents h_prev of its
 projections and returns this layer's, whole (replicated under btp, gathered under vanilla): in

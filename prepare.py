@@ -261,8 +261,7 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
         except OSError as e:   # a full disk, most often: nothing half-written is left behind
             free = shutil.disk_usage(out).free / 1e6
             raise ValueError(f"cannot write the token files in {out} ({e.strerror or e}; "
-                             f"{free:,.0f} MB free there); "
-                             "nothing was kept") from None
+                             f"{free:,.0f} MB free there); nothing was kept") from None
         finally:
             for t in tmp.values():
                 t.unlink(missing_ok=True)
@@ -323,9 +322,8 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
                 last, done = time.time(), reader.read_bytes
                 rate = done / (last - t0)
                 log(f"data: {done / 1e9:.2f}/{reader.total_bytes / 1e9:.2f} GB read, "
-                    f"{n['docs']:,} documents, {n['train'] + n['val']:,} tokens, "
-                    f"{rate / 1e6:.1f} MB/s, "
-                    f"eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
+                    f"{n['docs']:,} documents, {n['train'] + n['val']:,} tokens, {rate / 1e6:.1f} "
+                    f"MB/s, eta {(reader.total_bytes - done) / max(rate, 1):.0f} s")
     if n["train"] == 0 or n["val"] == 0:
         too_small(dataset, reader, n, first, fraction)
     crcs = {f"{split}_crc32": data.crc32(tmp[split]) for split in ("train", "val")}

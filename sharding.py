@@ -53,8 +53,7 @@ def check_divisible(cfg, tp, layout, pp=1):
             raise ValueError(f"tp={tp} does not divide {name}={value} (layout={layout})")
     if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
         raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the "
-                         f"tokenizer's, "
-                         "padded to a multiple of 64): use a tp that divides 64")
+                         "tokenizer's, padded to a multiple of 64): use a tp that divides 64")
 
 
 def cut_local(full, spec, tp):

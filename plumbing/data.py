@@ -51,9 +51,8 @@ class TokenFile:
         if len(self.data) <= block_size:
             raise ValueError(f"the {split} split of {meta['source']} has {len(self.data)} tokens "
                              f"(train {meta['train_tokens']}, val {meta['val_tokens']}), fewer "
-                             f"than block_size+1="
-                             f"{block_size + 1}: use a longer corpus, a smaller --block_size or "
-                             f"another --val_fraction")
+                             f"than block_size+1={block_size + 1}: use a longer corpus, a smaller "
+                             "--block_size or another --val_fraction")
 
     def batch(self, seed, stream, step, global_batch, start, count):
         """Sequences [start, start+count) of the global batch drawn for (seed, stream, step).

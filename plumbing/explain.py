@@ -377,8 +377,7 @@ def report(cfg, tc, place, layout, shape, views, sums, compare):
           f"pp={tc.pp} tp={tc.tp}, "
           f"recompute={tc.recompute}, overlap={tc.overlap if tc.tp > 1 else '-'}"
           + (f", dp_shard={tc.dp_shard}" if tc.dp_shard != "none" else "")
-          + "; one forward and backward of "
-          f"b={b} sequences of s={s} tokens per rank"
+          + f"; one forward and backward of b={b} sequences of s={s} tokens per rank"
           + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
           + ", recorded (t = tp degree)"
           + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"

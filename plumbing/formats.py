@@ -35,20 +35,17 @@ PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n)
 def check(cfg, fmt):
     """ValueError naming what `fmt` cannot represent of this model."""
     if getattr(cfg, "lax", False) and fmt in FORMATS:
-        raise ValueError(f"a LaX model's latents cross between layers (a gate and a LayerNorm per "
-                         f"projection), "
-                         f"which the {'Hugging Face Llama' if fmt == 'hf' else 'CoLA'} format "
-                         f"cannot hold: "
+        raise ValueError("a LaX model's latents cross between layers (a gate and a LayerNorm per "
+                         "projection), which the "
+                         f"{'Hugging Face Llama' if fmt == 'hf' else 'CoLA'} format cannot hold: "
                          "use --format=pt")
     if fmt == "hf":
         if cfg.arch == "cola":
             raise ValueError("a cola model has σ = SiLU inside every projection, which Llama has "
-                             "not: "
-                             "use --format=cola")
+                             "not: use --format=cola")
         if cfg.mlp_gate != "silu":
             raise ValueError(f"Hugging Face Llama computes down(silu(gate)·up); this {cfg.arch} "
-                             f"model has "
-                             f"mlp_gate={cfg.mlp_gate}")
+                             f"model has mlp_gate={cfg.mlp_gate}")
     elif fmt == "cola":
         if cfg.arch != "cola":
             raise ValueError(f"the CoLA format applies σ = hidden_act to every latent; "

@@ -214,8 +214,7 @@ class Planner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value):
         raise pickle.UnpicklingError(f"{read_item.dest_index.fqn} is stored as pickled bytes, "
-                                     f"which this project "
-                                     "never writes and never unpickles")
+                                     "which this project never writes and never unpickles")
 
 
 def dcp_load(state, path, files, no_dist):

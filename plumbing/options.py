@@ -291,8 +291,7 @@ def check_values(tc):
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     if tc.min_lr > tc.learning_rate:
         raise ValueError(f"min_lr={tc.min_lr} is above learning_rate={tc.learning_rate}: the "
-                         f"schedule decays "
-                         "from learning_rate to min_lr, so lower --min_lr")
+                         "schedule decays from learning_rate to min_lr, so lower --min_lr")
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 0 and below 1")

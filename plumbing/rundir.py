@@ -125,9 +125,8 @@ def check_scratch(out_dir, overwrite):
     found = earlier_run(out_dir)
     if found and not overwrite and not _restarted_job(out_dir):
         raise ValueError(f"out_dir {out_dir} holds an earlier run ({' and '.join(found)}): "
-                         f"continue it with "
-                         "--init_from=resume, choose another --out_dir, or discard it with "
-                         "--overwrite=true")
+                         "continue it with --init_from=resume, choose another --out_dir, or "
+                         "discard it with --overwrite=true")
 
 
 def discard(out_dir):

@@ -160,8 +160,7 @@ class HuggingFace:
                              f"of {path}")
         if eos is None:
             raise ValueError(f"cannot tell the end-of-document token of {path}: put a "
-                             f"tokenizer_config.json "
-                             "with its eos_token beside it")
+                             "tokenizer_config.json with its eos_token beside it")
         self.eos, self.eot_token = eos, self.tok.token_to_id(eos)
 
     def encode_ordinary(self, text):

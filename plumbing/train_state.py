@@ -155,8 +155,7 @@ def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_pub
         if master:
             shutil.rmtree(tmp, ignore_errors=True)   # the half-written one would only fill the disk
         raise ValueError(f"cannot write checkpoint {final} ({_reason(e)}); the previous "
-                         f"checkpoints are "
-                         "untouched") from None
+                         "checkpoints are untouched") from None
     _barrier()
     files = integrity.map_over_ranks(sorted(os.listdir(tmp)),
                                      lambda f: {"bytes": os.path.getsize(os.path.join(tmp, f)),
@@ -254,8 +253,7 @@ def intact(found, log):
         log(f"skipping checkpoint {path}: {problem}")
         problems.append(f"{os.path.basename(path)}: {problem}")
         skipped.append(path)
-    raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} "
-                     f"({'; '.join(problems)})")
+    raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} ({'; '.join(problems)})")
 
 
 def read_meta(path, config=(), tokenizer=None):

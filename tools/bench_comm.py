@@ -163,8 +163,7 @@ def bench_comm(iters, cfg, batch, shapes=((1, 2), (1, 4), (2, 2))):
     tokens, width = batch * cfg.block_size, 3 * cfg.attn_rank + 1
     out["probe"] = probe(tokens, width)
     probe_rows = [[name, f"{ms:.2f}"] for name, ms in out["probe"].items()]
-    return header, rows, (f"Can two processes on this machine overlap a gloo all-reduce with "
-                          f"computation? "
-                          f"(an all-reduce of {tokens} x {width} fp32, the BTP q/k/v latent; "
-                          f"median ms)"), \
+    return header, rows, ("Can two processes on this machine overlap a gloo all-reduce with "
+                          f"computation? (an all-reduce of {tokens} x {width} fp32, the BTP q/k/v "
+                          "latent; median ms)"), \
         ["way", "ms"], probe_rows, out

@@ -65,8 +65,7 @@ def report(gpus=16):
                          + ("" if gb * 1e9 <= GPU_MEMORY else " (does not fit)"),
                          f"{sec:.2f}", f"{dp_s:.2f}"])
     text = (f"CoLA models (r = d/4) on {gpus} A100-80GB (4 a node, NVLink within, Slingshot "
-            f"between), "
-            "16 sequences of 4096 tokens an iteration, recompute=layer\n\n"
+            "between), 16 sequences of 4096 tokens an iteration, recompute=layer\n\n"
             + _table(["model", "plan", "GB per GPU", "s/iteration", "of which DP comm"], rows))
     return text, out
 

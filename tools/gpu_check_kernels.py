@@ -84,8 +84,7 @@ def check(op, shapes, dtype, device, label, log):
     out_err, grad_err = compare(op, shapes, dtype, device)
     ok = max(out_err, grad_err) <= TOL[dtype]
     log(f"{'ok  ' if ok else 'FAIL'} {label} {op} {'x'.join(map(str, shapes[0]))}: output "
-        f"{out_err:.1e}, "
-        f"gradients {grad_err:.1e} (tolerance {TOL[dtype]:.0e})")
+        f"{out_err:.1e}, gradients {grad_err:.1e} (tolerance {TOL[dtype]:.0e})")
     return ok
 
 

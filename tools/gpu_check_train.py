@@ -125,8 +125,7 @@ def step(args):
         ok = diff <= TOL[dtype]
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {run} against {against}: largest relative loss "
-              f"difference {diff:.1e} "
-              f"(tolerance {TOL[dtype]:.0e})", flush=True)
+              f"difference {diff:.1e} (tolerance {TOL[dtype]:.0e})", flush=True)
     ms = sample_ms(args)
     print(f"ok   sample of {200 if not args.cpu else 20} tokens in {ms:.0f} ms", flush=True)
     print("RESULT " + json.dumps({"failed": failed, "compared": compared, "sample_ms": ms}),
