@@ -9,9 +9,8 @@ laptop CPU and on a GPU cluster:
 Read it top to bottom: main() checks everything and claims the out_dir; train() is the run: data,
 processes, model, optimizer, the loop, the end. Every rank draws its share of the same global batch
 from (seed, step) (plumbing/data.py), so the logged loss, the mean over the global batch, is
-comparable line by line across layouts. Options and their checks: plumbing/options.py; the
-out_dir's lock, metrics log and interrupts: plumbing/rundir.py; the checkpoints:
-plumbing/train_state.py.
+comparable line by line across layouts. The run's plan, resolved once: plumbing/plan.py; the
+model built: plumbing/placement.py; the out_dir: plumbing/rundir.py; checkpoints: train_state.py.
 """
 import math
 import os
