@@ -10,7 +10,8 @@ Read it top to bottom: main() checks everything and claims the out_dir; train() 
 processes, model, optimizer, the loop, the end. Every rank draws its share of the same global batch
 from (seed, step) (plumbing/data.py), so the logged loss, the mean over the global batch, is
 comparable line by line across layouts. The run's plan, resolved once: plumbing/plan.py; the
-model built: plumbing/placement.py; the out_dir: plumbing/rundir.py; checkpoints: train_state.py.
+model built: plumbing/placement.py; the out_dir: plumbing/rundir.py; checkpoints: the same
+folder's train_state.py.
 """
 import math
 import os
