@@ -97,6 +97,7 @@ def test_gpu_check_without_cuda_or_torch_is_one_line():
     assert "gpu-check/" in (ROOT / ".gitignore").read_text().split()
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_its_steps_on_a_cpu(tmp_path):
     """The whole check, --cpu: its kernel step (interpreted), its training runs (reference and
     interpreted kernels, resumed, recompute=lowrank) and sample; the summary says each step's state."""

@@ -21,7 +21,7 @@ GPU = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--n_kv_head=4", "--block_si
        "--eval_iters=2"]
 # interpreted Triton takes seconds a step on a CPU: one layer, one evaluation batch
 CPU = ["--n_layer=1", "--n_embd=32", "--n_head=4", "--n_kv_head=2", "--block_size=16",
-       "--batch_size=2", "--max_iters=4", "--lr_decay_iters=4", "--eval_interval=2",
+       "--batch_size=2", "--max_iters=2", "--lr_decay_iters=2", "--eval_interval=1",
        "--eval_iters=1"]
 TOL = {"float32": 1e-3, "bfloat16": 2e-2}
 
@@ -34,7 +34,7 @@ def plan(cpu):
     impls = ["torch", "triton"] if cpu else ["torch", "triton", "auto"]
     runs = {f"{k}-{d}": [f"--kernels={k}", f"--dtype={d}"] for k in impls for d in dtypes}
     runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32",
-                               f"--max_iters={2 if cpu else 15}"]   # then resumed
+                               f"--max_iters={1 if cpu else 15}"]   # then resumed
     runs["lowrank-float32"] = ["--kernels=triton", "--dtype=float32", "--recompute=lowrank"]
     if not cpu:
         runs["compiled-bfloat16"] = ["--kernels=auto", "--dtype=bfloat16", "--compile=true"]
