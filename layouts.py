@@ -42,7 +42,6 @@ from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gathe
 from sharding import Sharded, check_divisible
 
 
-
 def traced(chunk):
     """A chunk as one labelled range in profiler traces (--profile), `btp layer 0: attn_chunk`;
     when no profiler runs it costs one check (layouts.py's chunks)."""
@@ -70,7 +69,7 @@ def per_layer_traffic(layout, cfg):
     if layout == "btp":      # q/k/v latents + Σx², o, gate/up + Σx², down; backward their gradients
         return Traffic((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm, 4 + 4)
     if layout == "vanilla":  # every B's whole output; backward every A's input gradient
-        lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0   # LaX: a crossing layer's
+        lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0   # LaX's latents
         return Traffic(d + 2 * kv + d + 2 * f + d + lx, 3 * d + d + 2 * d + f + lx,
                        7 + 7 + (8 if lx else 0))
     return Traffic(2 * d, 2 * d, 2 + 2)   # megatron: after attention and after the MLP
