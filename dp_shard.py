@@ -107,18 +107,22 @@ def rows_held(model, rows):
     torch.chunk does; without --dp_shard all of them)."""
     if getattr(model, "dp_shard", "none") == "none":
         return rows
-    dp_rank, dp = model.dp_place
-    parts = torch.chunk(torch.empty(rows, device="meta"), dp)
-    return parts[dp_rank].numel() if dp_rank < len(parts) else 0
+    lo, hi = shard_bounds(rows, *model.dp_place)
+    return hi - lo
+
+
+def shard_bounds(n, dp_rank, dp):
+    """(lo, hi): the rows of n that dp shard dp_rank of dp holds. FSDP2 cuts dim 0 as torch.chunk
+    does: ceil(n/dp) rows a shard, so the last ranks may hold fewer, or none."""
+    size = -(-n // dp)
+    lo = min(n, dp_rank * size)
+    return lo, min(n, lo + size)
 
 
 def rows_of(t):
-    """(lo, hi): the rows of the TP-local tensor this rank's dp shard of `t` holds (FSDP2 cuts
-    dim 0 as torch.chunk does: some ranks may hold none)."""
-    mesh, n = t.device_mesh, t.shape[0]
-    size = -(-n // mesh.size())   # torch.chunk's rows a shard
-    lo = min(n, mesh.get_local_rank() * size)
-    return lo, min(n, lo + size)
+    """(lo, hi): the rows of the TP-local tensor this rank's dp shard of `t` holds."""
+    mesh = t.device_mesh
+    return shard_bounds(t.shape[0], mesh.get_local_rank(), mesh.size())
 
 
 def write_rows(param, rows, values):
