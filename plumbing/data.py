@@ -44,8 +44,8 @@ class TokenFile:
         # an IndexError at step 0 otherwise
         if vocab_size is not None and meta["max_id"] >= vocab_size:
             raise ValueError(f"{folder} holds token ids up to {meta['max_id']}, the model's "
-                             f"vocabulary has "
-                             f"{vocab_size}: prepare the corpus with this run's --tokenizer")
+                             f"vocabulary has {vocab_size}: prepare the corpus with this run's "
+                             "--tokenizer")
         self.data = np.memmap(Path(folder) / f"{split}.bin", dtype=meta["dtype"], mode="r")
         self.block_size = block_size
         if len(self.data) <= block_size:
