@@ -3,7 +3,8 @@
 BOOST (arXiv 2512.12131) sections 3-4. layouts.py and parallel.py call `norm_down`, `grouped_up`
 (and its backward halves for parallel.CopyUp) and `rms_norm`; `select()` (train.py's
 --kernels=auto|triton|torch) decides whether they run the PyTorch reference (the specification, and
-the CPU path) or the Triton kernels, forward and backward.
+the CPU path) or the Triton kernels; under auto, forward and backward are chosen apart. The weight
+gradients (dA, dB), which reduce over every token, are cuBLAS's on both paths.
 
 - norm_down: the local half of online RMSNorm fused with a grouped down-projection. For a rank's
   slice x (M, K) of the residual stream, its slice γ (K) of the gain and its columns A (N, K) of the
@@ -105,37 +106,42 @@ def _rows(t):
 
 
 def _which(op, shape_key, fn, args):
-    """The implementation of `op` for this shape: the forced one, or under auto the faster of the
-    two for fn(*args) forward and backward, timed once (3 runs each after a warm-up), logged once.
+    """(forward, backward): the implementations of `op` for this shape: the forced one both ways,
+    or under auto the faster of the two in each direction for fn(*args), timed once (3 runs each
+    after a warm-up), logged once: a fused forward that wins is kept when its backward loses.
     shape_key() names the shape; it is called only under auto, off the reference's hot path."""
     if _backend != "auto":
-        return _backend
+        return _backend, _backend
     key = shape_key()
     if (op, key) not in _choices:
         if torch.compiler.is_compiling():
-            return "torch"   # (timed in the eager warm-up steps, not while tracing)
-        times = _averaged({name: _time(fn, args, name) for name in ("triton", "torch")},
-                          args[0].device)
-        _choices[(op, key)] = min(times, key=times.get)
+            return "torch", "torch"   # (timed in the eager warm-up steps, not while tracing)
+        t = _averaged({name: _time(fn, args, name) for name in IMPLS}, args[0].device)
+        _choices[(op, key)] = tuple(min(IMPLS, key=lambda n: t[n][i]) for i in (0, 1))
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"kernels: {op} ({key}) triton {times['triton']:.3f} ms vs torch "
-                  f"{times['torch']:.3f} ms: {_choices[(op, key)]}")
+            print(f"kernels: {op} ({key}) " + "; ".join(
+                f"{way} triton {t['triton'][i]:.3f} ms vs torch {t['torch'][i]:.3f} ms: "
+                f"{_choices[(op, key)][i]}" for i, way in enumerate(("forward", "backward"))))
     return _choices[(op, key)]
 
 
+IMPLS = ("triton", "torch")
+
+
 def _averaged(times, device):
-    """{name: ms} averaged over the ranks of the agree_over groups (every rank the same result)."""
+    """{name: (forward ms, backward ms)} averaged over the ranks of the agree_over groups (every
+    rank the same result)."""
     if not _agree:
         return times
-    t = torch.tensor([times["triton"], times["torch"]], dtype=torch.float64, device=device)
+    t = torch.tensor([times[n] for n in IMPLS], dtype=torch.float64, device=device)   # (2, 2)
     for group in _agree:   # TP, then DP: the mean over the stage's whole (dp, tp) slab
         dist.all_reduce(t, group=group)
         t /= dist.get_world_size(group)
-    return dict(zip(("triton", "torch"), t.tolist()))
+    return dict(zip(IMPLS, map(tuple, t.tolist())))
 
 
 def _time(fn, args, name, runs=3):
-    """ms of forward + backward of fn under implementation `name`, on copies of args: with grad on
+    """(forward ms, backward ms) of fn under implementation `name`, on copies of args: with grad on
     (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
     activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
     import time
@@ -144,14 +150,19 @@ def _time(fn, args, name, runs=3):
         leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a)
                   else a for a in args]
         sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
+        total = [0.0, 0.0]
         for i in range(runs + 1):
-            if i == 1:
-                sync()
-                t0 = time.perf_counter()
+            sync()
+            t0 = time.perf_counter()
             outs = [o for o in fn(*leaves) if o.requires_grad]
+            sync()
+            t1 = time.perf_counter()
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        sync()
-        return (time.perf_counter() - t0) * 1000 / runs
+            sync()
+            if i:   # (the first run warms up)
+                total[0] += (t1 - t0) * 1000 / runs
+                total[1] += (time.perf_counter() - t1) * 1000 / runs
+        return tuple(total)
 
 
 # ------------------------------------------------------------------------- PyTorch references
@@ -175,19 +186,24 @@ def rms_norm_ref(x, gamma, eps):
 # ------------------------------------------------------------------------- dispatch
 
 def _autocast(*tensors):
-    """Custom Functions are not autocast: give them the autocast dtype ourselves."""
-    if tensors[0].is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
+    """Custom Functions are not autocast: give a matmul's operands the autocast dtype ourselves."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
         return [t.to(dtype) for t in tensors]
     return [t.to(tensors[0].dtype) for t in tensors]
 
 
 def norm_down(x, gamma, A):
-    if _which("norm_down", lambda: f"{_rows(x)}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down,
-              (x, gamma, A)) == "torch":
+    """x and γ in their own dtypes (an fp32 residual stays fp32: Σx² and x⊙γ are taken in fp32 as
+    the reference takes them, and x⊙γ is rounded to A's dtype for the product, as autocast rounds
+    the reference's); A in the autocast dtype."""
+    ways = _which("norm_down", lambda: f"{_rows(x)}x{x.shape[-1]} -> {A.shape[0]}+1", norm_down,
+                  (x, gamma, A))
+    if ways == ("torch", "torch"):
         return norm_down_ref(x, gamma, A)
-    x2, gamma, A = _autocast(x.reshape(-1, x.shape[-1]), gamma, A)
-    H, S = NormDown.apply(x2, gamma, A)
+    A, = _autocast(A) if torch.is_autocast_enabled(A.device.type) else (A.to(x.dtype),)
+    H, S = NormDown.apply(x.reshape(-1, x.shape[-1]), gamma, A, *ways)
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
 
@@ -195,69 +211,67 @@ def _up_key(z, Bs):
     return f"{_rows(z)}x{len(Bs)}x{Bs[0].shape[1]} -> {'+'.join(str(B.shape[0]) for B in Bs)}"
 
 
-def _up_backend(dys, Bs):
-    """The implementation of grouped_up's backward halves: the one its forward used for these shapes
-    (the reference for a shape auto never measured: nothing unmeasured runs a kernel)."""
-    if _backend != "auto":
-        return _backend
-    return _choices.get(("grouped_up", _up_key(dys[0], Bs)), "torch")
-
-
 def grouped_up(z, Bs):
-    if _which("grouped_up", lambda: _up_key(z, Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
-              (z, *Bs)) == "torch":
+    ways = _which("grouped_up", lambda: _up_key(z, Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
+                  (z, *Bs))
+    if ways == ("torch", "torch"):
         return grouped_up_ref(z, Bs)
-    z2, W = _autocast(z.reshape(-1, z.shape[-1]), torch.cat(Bs))  # autograd of cat splits dW
-    Y = GroupedUp.apply(z2, W, tuple(B.shape[0] for B in Bs))
+    z2, = _autocast(z)
+    Y = GroupedUp.apply(z2.reshape(-1, z.shape[-1]), *ways, *Bs)
     return [y.view(*z.shape[:-1], -1) for y in Y.split([B.shape[0] for B in Bs], -1)]
 
 
 # grouped_up's backward in two halves, for parallel.CopyUp, which all-reduces dz while dB computes
 def grouped_up_dz(dys, Bs):
-    """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r), dz_g = dy_g·B_g."""
-    if _up_backend(dys, Bs) == "torch":
+    """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r), dz_g = dy_g·B_g: under auto, the
+    implementation grouped_up's backward took for these shapes (the reference for a shape auto
+    never measured: nothing unmeasured runs a kernel)."""
+    way = _backend if _backend != "auto" else \
+        _choices.get(("grouped_up", _up_key(dys[0], Bs)), ("torch", "torch"))[1]
+    if way == "torch":
         return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
-    dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
-    W = torch.cat(Bs).to(dY.dtype)
+    dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)   # (M, Σn_g), built once
+    W = torch.cat([B.to(dY.dtype) for B in Bs])
     return _up_dz(dY, W, [B.shape[0] for B in Bs]).view(*dys[0].shape[:-1], -1)
 
 
 def grouped_up_dB(dys, z, Bs):
-    """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype."""
-    zs = z.split(Bs[0].shape[1], -1)
-    if _up_backend(dys, Bs) == "torch":
-        return [(dy.reshape(-1, dy.shape[-1]).t()
-                 @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype)).to(B.dtype)
-                for dy, zg, B in zip(dys, zs, Bs)]
-    dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)
-    dW = _up_dW(dY, z.reshape(-1, z.shape[-1]).to(dY.dtype), Bs[0].shape[1],
-                [B.shape[0] for B in Bs])
-    return [d.to(B.dtype) for d, B in zip(dW.split([B.shape[0] for B in Bs]), Bs)]
+    """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype: cuBLAS on either
+    path (a reduction over every token: its split-K fills a GPU where 32-88 output tiles do not)."""
+    return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype))
+            .to(B.dtype) for dy, zg, B in zip(dys, z.split(Bs[0].shape[1], -1), Bs)]
 
 
 def rms_norm(x, gamma, eps):
-    if _which("rms_norm", lambda: f"{_rows(x)}x{x.shape[-1]}", lambda x, g: [rms_norm(x, g, eps)],
-              (x, gamma)) == "torch":
+    ways = _which("rms_norm", lambda: f"{_rows(x)}x{x.shape[-1]}",
+                  lambda x, g: [rms_norm(x, g, eps)], (x, gamma))
+    if ways == ("torch", "torch"):
         return rms_norm_ref(x, gamma, eps)
-    x2, gamma = _autocast(x.reshape(-1, x.shape[-1]), gamma)
-    return RMSNormFn.apply(x2, gamma, eps).view(x.shape)
+    # (x in its own dtype, as the reference's F.rms_norm takes it under autocast: y in x's dtype)
+    return RMSNormFn.apply(x.reshape(-1, x.shape[-1]), gamma, eps, *ways).view(x.shape)
 
 
-# ------------------------------------------- autograd of the Triton kernels (triton_kernels.py)
+# ------------------ autograd of the ops: each direction Triton (triton_kernels.py) or the reference
 
 class NormDown(torch.autograd.Function):
+    """x (M, K), γ (K), A (N, K) -> H (M, N) in A's dtype, S (M) fp32; fwd, bwd: "triton" or
+    "torch" for each direction."""
+
     @staticmethod
-    def forward(ctx, x, gamma, A):
+    def forward(ctx, x, gamma, A, fwd, bwd):
         x, gamma, A = x.contiguous(), gamma.contiguous(), A.contiguous()
-        (M, K), N = x.shape, A.shape[0]
-        H = torch.empty(M, N, dtype=x.dtype, device=x.device)
-        S = torch.empty(M, dtype=torch.float32, device=x.device)
-        up, ieee = tk.dot_flags(x)
-        grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
-        tk.norm_down_fwd[tk.bits(x)][grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0),
-                                           H.stride(0), tk.bucket(M),
-                                           UPCAST=up, IEEE=ieee)
         ctx.save_for_backward(x, gamma, A)
+        ctx.bwd = bwd
+        if fwd == "torch":
+            return (x * gamma).to(A.dtype) @ A.t(), x.float().pow(2).sum(-1)
+        (M, K), N = x.shape, A.shape[0]
+        H = torch.empty(M, N, dtype=A.dtype, device=x.device)   # (the product's dtype: A's)
+        S = torch.empty(M, dtype=torch.float32, device=x.device)
+        up, ieee = tk.dot_flags(A)
+        grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
+        tk.launcher("norm_down_fwd", A)[grid](x, gamma, A, H, S, M, N, K, x.stride(0),
+                                              A.stride(0), H.stride(0), tk.bucket(M),
+                                              UPCAST=up, IEEE=ieee)
         return H, S
 
     @staticmethod
@@ -267,43 +281,58 @@ class NormDown(torch.autograd.Function):
         dH = dH.contiguous()
         dS = torch.zeros(M, dtype=torch.float32, device=x.device) if dS is None else \
             dS.float().contiguous()
-        up, ieee = tk.dot_flags(x)
-        dx = torch.empty_like(x)
+        # dA = dHᵀ·(x⊙γ) reduces over every token: cuBLAS's split-K, not a 32-88-tile grid
+        dA = (dH.t() @ (x * gamma).to(dH.dtype)).to(A.dtype)               # (N, K)
+        if ctx.bwd == "torch":
+            dxg = (dH @ A).float()                                         # d(x⊙γ) (M, K)
+            dx = dxg * gamma + 2 * x.float() * dS[:, None]
+            return dx.to(x.dtype), (dxg * x).sum(0).to(gamma.dtype), dA, None, None
+        up, ieee = tk.dot_flags(A)
+        dx = torch.empty_like(x)   # (in x's dtype: an fp32 residual gets an fp32 gradient)
         # per row block
         dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)
-        grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(K, META["BK"]))
-        tk.norm_down_dx[tk.bits(x)][grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
-                                          A.stride(0), x.stride(0),
-                                          tk.bucket(M), UPCAST=up, IEEE=ieee)
-        xg = x * gamma                                                     # (M, K)
-        dA = torch.empty_like(A)
-        tk.grouped_mm(tk.Operand(dH, 1, N), tk.Operand(xg, K, 1), tk.Operand(dA, K, 1),  # dHᵀ·(x⊙γ)
-                      [tk.Group(P=N, Q=K, K=M)], call="dA")
-        return dx, dg.sum(0).to(gamma.dtype), dA
+        # K blocks the fast axis: the programs running together share their dH row block
+        grid = lambda META: (triton.cdiv(K, META["BK"]), triton.cdiv(M, META["BM"]))
+        tk.launcher("norm_down_dx", A)[grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
+                                             A.stride(0), x.stride(0),
+                                             tk.bucket(M), UPCAST=up, IEEE=ieee)
+        return dx, dg.sum(0).to(gamma.dtype), dA, None, None
 
 
 class GroupedUp(torch.autograd.Function):
-    """Z (M, G·r), W (Σn_g, r) the stacked B_g, widths (n_g) -> Y (M, Σn_g)."""
+    """Z (M, G·r), Bs [(n_g, r)] -> Y (M, Σn_g), y_g = z_g·B_gᵀ; the Bs stacked into one W inside
+    (one copy, in Z's dtype), their gradients split back."""
 
     @staticmethod
-    def forward(ctx, Z, W, widths):
-        Z, W = Z.contiguous(), W.contiguous()
+    def forward(ctx, Z, fwd, bwd, *Bs):
+        Z = Z.contiguous()
+        W = torch.cat([B.to(Z.dtype) for B in Bs])                         # (Σn_g, r)
+        widths = [B.shape[0] for B in Bs]
+        ctx.save_for_backward(Z, W)
+        ctx.widths, ctx.bwd, ctx.dtypes = widths, bwd, [B.dtype for B in Bs]
         (M, R), r = Z.shape, W.shape[1]
+        if fwd == "torch":
+            return torch.cat([zg @ B.t() for zg, B in zip(Z.split(r, -1), W.split(widths))], -1)
         offsets = [sum(widths[:g]) for g in range(len(widths))]
         Y = torch.empty(M, sum(widths), dtype=Z.dtype, device=Z.device)
         groups = [tk.Group(P=M, Q=n, K=r, a_col=g * r, b_col=o, c_col=o)
                   for g, (n, o) in enumerate(zip(widths, offsets))]
         tk.grouped_mm(tk.Operand(Z, R, 1), tk.Operand(W, 1, r), tk.Operand(Y, Y.stride(0), 1),
                       groups, call="up")
-        ctx.save_for_backward(Z, W)
-        ctx.widths = widths
         return Y
 
     @staticmethod
     def backward(ctx, dY):
         Z, W = ctx.saved_tensors
-        dY = dY.contiguous()
-        return _up_dz(dY, W, ctx.widths), _up_dW(dY, Z, W.shape[1], ctx.widths), None
+        dY, r = dY.contiguous(), W.shape[1]
+        if ctx.bwd == "torch":
+            dZ = torch.cat([dy @ B for dy, B in zip(dY.split(ctx.widths, -1),
+                                                    W.split(ctx.widths))], -1)
+        else:
+            dZ = _up_dz(dY, W, ctx.widths)
+        dBs = [(dy.t() @ zg).to(dtype) for dy, zg, dtype in   # (cuBLAS: see grouped_up_dB)
+               zip(dY.split(ctx.widths, -1), Z.split(r, -1), ctx.dtypes)]
+        return dZ, None, None, *dBs
 
 
 def _up_dz(dY, W, widths):
@@ -319,30 +348,24 @@ def _up_dz(dY, W, widths):
     return dZ
 
 
-def _up_dW(dY, Z, r, widths):
-    """dY (M, Σn_g), Z (M, G·r) -> dW (Σn_g, r): dB_g = dy_gᵀ·z_g."""
-    dY, Z = dY.contiguous(), Z.contiguous()
-    (M, n_all), R = dY.shape, Z.shape[1]
-    offsets = [sum(widths[:g]) for g in range(len(widths))]
-    dW = torch.empty(n_all, r, dtype=Z.dtype, device=Z.device)
-    groups = [tk.Group(P=n, Q=r, K=M, a_row=o, b_col=g * r, c_row=o)
-              for g, (n, o) in enumerate(zip(widths, offsets))]
-    tk.grouped_mm(tk.Operand(dY, 1, n_all), tk.Operand(Z, R, 1), tk.Operand(dW, r, 1), groups,
-                  call="dW")
-    return dW
-
-
 class RMSNormFn(torch.autograd.Function):
+    """x (M, N), γ (N) -> y (M, N) in x's dtype; fwd, bwd: "triton" or "torch"."""
+
     @staticmethod
-    def forward(ctx, x, gamma, eps):
+    def forward(ctx, x, gamma, eps, fwd, bwd):
         x = x.contiguous()
         M, N = x.shape
-        y = torch.empty_like(x)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(M, tk.rows()),)
-        block = triton.next_power_of_2(N)
-        tk.rms_fwd[grid](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(), BLOCK=block,
-                         num_warps=tk.rms_warps(block))
+        ctx.bwd = bwd
+        if fwd == "torch":
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1) + eps)           # (M,)
+            y = (x.float() * rstd[:, None] * gamma.float()).to(x.dtype)
+        else:
+            y = torch.empty_like(x)
+            rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+            block = triton.next_power_of_2(N)
+            tk.rms_fwd[(triton.cdiv(M, tk.rows()),)](x, gamma, y, rstd, M, N, eps,
+                                                     ROWS=tk.rows(), BLOCK=block,
+                                                     num_warps=tk.rms_warps(block))
         ctx.save_for_backward(x, gamma, rstd)
         return y
 
@@ -350,10 +373,14 @@ class RMSNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, gamma, rstd = ctx.saved_tensors
         M, N = x.shape
+        if ctx.bwd == "torch":   # dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)), dγ = Σ_rows dy⊙x̂
+            xhat, wdy = x.float() * rstd[:, None], dy.float() * gamma.float()
+            dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
+            return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(gamma.dtype), None, None, None
         dx = torch.empty_like(x)
         grid = (triton.cdiv(M, tk.rows()),)
         dg = torch.empty(grid[0], N, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(N)
-        tk.rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(), BLOCK=block,
-                         num_warps=tk.rms_warps(block, backward=True))
-        return dx, dg.sum(0).to(gamma.dtype), None
+        tk.rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(),
+                         BLOCK=block, num_warps=tk.rms_warps(block, backward=True))
+        return dx, dg.sum(0).to(gamma.dtype), None, None, None

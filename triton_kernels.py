@@ -39,18 +39,19 @@ INTERPRETER_CONFIG = (32, 32, 32, 1, 1)
 ROWS_CONFIG = {"ROWS": 16}   # RMSNorm: rows per program (4 under the interpreter); warps: rms_warps
 
 
-def arch():
-    """The architecture whose list GEMM_CONFIGS gives here: 90 from Hopper on, else 80."""
+def arch(device=None):
+    """The architecture whose list GEMM_CONFIGS gives for `device` (a CUDA device; default the
+    current one): 90 from Hopper on, else 80; None under the interpreter. Asked at a kernel's first
+    launch on a device, not at import: one process may drive GPUs of two kinds."""
     if INTERPRET or not torch.cuda.is_available():
         return None
-    major, _ = torch.cuda.get_device_capability()
+    major, _ = torch.cuda.get_device_capability(device)
     return 90 if major >= 9 else 80
 
 
-def gemm_configs(names, bits, arch_=None):
+def gemm_configs(names, bits, arch_):
     """triton.Configs over the block names, e.g. ("BM", "BN", "BK"), for inputs of `bits` (16 or 32)
-    on this machine (or on `arch_`)."""
-    arch_ = arch_ if arch_ is not None else arch()
+    on GPUs of architecture arch_ (80 or 90; None: the interpreter's one configuration)."""
     rows = [INTERPRETER_CONFIG] if arch_ is None else GEMM_CONFIGS[(arch_, bits)]
     return [triton.Config(dict(zip(names, r[:3])), num_warps=r[3], num_stages=r[4]) for r in rows]
 
@@ -86,13 +87,15 @@ def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
     rn = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     ss = tl.zeros((BM,), dtype=tl.float32)
+    rk = tl.arange(0, BK)
+    x_ptrs = x_ptr + _at(rm, rk, s_xm, 1)   # (the offsets made once; the pointers advance by BK)
+    a_ptrs = a_ptr + _at(rn, rk, s_an, 1)
     for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=(rm[:, None] < M) & (rk[None, :] < K),
-                    other=0.0)
-        g = tl.load(g_ptr + rk, mask=rk < K, other=0.0)
-        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K),
-                    other=0.0)
+        x = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+        g = tl.load(g_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
+        a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (k0 + rk[None, :] < K), other=0.0)
+        x_ptrs += BK
+        a_ptrs += BK
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         xg = (xf * g.to(tl.float32)[None, :]).to(a.dtype)
@@ -107,17 +110,21 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
                   M_KEY,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """dx tile (BM, BK) = (dH·A)⊙γ + 2·x·dS, and this row block's partial dγ = Σ_m (dH·A)⊙x."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    """dx tile (BM, BK) = (dH·A)⊙γ + 2·x·dS, and this row block's partial dγ = Σ_m (dH·A)⊙x. The
+    K blocks are the grid's fast axis (programs running together read the same dH rows), and BK,
+    the output's width, takes the wide entry of a configuration (KERNELS' block names)."""
+    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rk = pid_k * BK + tl.arange(0, BK)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
+    rn = tl.arange(0, BN)
+    dh_ptrs = dh_ptr + _at(rm, rn, s_dhm, 1)   # (the offsets made once; the pointers advance)
+    a_ptrs = a_ptr + _at(rn, rk, s_an, 1)
     for n0 in range(0, N, BN):
-        rn = n0 + tl.arange(0, BN)
-        dh = tl.load(dh_ptr + _at(rm, rn, s_dhm, 1), mask=(rm[:, None] < M) & (rn[None, :] < N),
-                     other=0.0)
-        a = tl.load(a_ptr + _at(rn, rk, s_an, 1), mask=(rn[:, None] < N) & (rk[None, :] < K),
-                    other=0.0)
+        dh = tl.load(dh_ptrs, mask=(rm[:, None] < M) & (n0 + rn[None, :] < N), other=0.0)
+        a = tl.load(a_ptrs, mask=(n0 + rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        dh_ptrs += BN
+        a_ptrs += BN * s_an
         acc += _dot(dh, a, UPCAST, IEEE)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + _at(rm, rk, s_xm, 1), mask=mask, other=0.0).to(tl.float32)
@@ -206,21 +213,38 @@ def rms_bwd(dy_ptr, x_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, M, N, ROWS: tl.const
 
 # ------------------------------------------------------------------------- autotuned launches
 
-def _tuned(fn, names, key, **options):
-    """fn autotuned over its configurations, one tuner per input width: {16: ..., 32: ...}."""
-    return {bits: triton.autotune(gemm_configs(names, bits), key=key, **options)(fn)
-            for bits in (16, 32)}
-
-
-norm_down_fwd = _tuned(_norm_down_fwd, ("BM", "BN", "BK"), ["M_KEY", "N", "K"])
-norm_down_dx = _tuned(_norm_down_dx, ("BM", "BN", "BK"), ["M_KEY", "N", "K"],
-                      reset_to_zero=["dg_ptr"])   # unused rows stay 0
-grouped = _tuned(_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"])
-CALLS = ("up", "dz", "dW", "dA")   # the grouped products kernels.py launches
+# the autotuned kernels: name -> (JIT function, block names, autotune key, autotune options)
+KERNELS = {
+    "norm_down_fwd": (_norm_down_fwd, ("BM", "BN", "BK"), ["M_KEY", "N", "K"], {}),
+    "norm_down_dx": (_norm_down_dx, ("BM", "BK", "BN"), ["M_KEY", "N", "K"],
+                     {"reset_to_zero": ["dg_ptr"]}),   # unused rows stay 0
+    "grouped_mm": (_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"],
+                   {}),
+}
+# the grouped products kernels.py launches (the weight gradients, which reduce over every token,
+# are cuBLAS's)
+CALLS = ("up", "dz")
 # the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here
 JIT = {"norm_down_fwd": _norm_down_fwd, "norm_down_dx": _norm_down_dx, "grouped_mm": _grouped_mm,
        "rms_fwd": rms_fwd, "rms_bwd": rms_bwd}
-MIN_BM = min(c.kwargs["BM"] for bits in (16, 32) for c in gemm_configs(("BM", "BN", "BK"), bits))
+# the smallest row block of any list: the rows of norm_down_dx's partial dγ
+MIN_BM = min(r[0] for r in [INTERPRETER_CONFIG, *sum(GEMM_CONFIGS.values(), [])])
+
+
+@functools.cache
+def tuner(name, bits_, arch_):
+    """KERNELS[name] autotuned over the list for its input width and GPU architecture. The choices
+    are kept in Triton's on-disk cache (cache_results): every rank, resume and later run on the
+    machine reads a shape's choice instead of timing its configurations again at its first step
+    (where a slower rank would stall its peers at the next collective)."""
+    fn, names, key, options = KERNELS[name]
+    return triton.autotune(gemm_configs(names, bits_, arch_), key=key, cache_results=True,
+                           **options)(fn)
+
+
+def launcher(name, t):
+    """The autotuned kernel `name` for t's width on t's device, made at its first launch there."""
+    return tuner(name, bits(t), arch(t.device) if t.is_cuda else None)
 
 
 def bits(t):
@@ -264,16 +288,16 @@ class Group(NamedTuple):
 
 def grouped_mm(A, B, C, groups, call):
     """Launch _grouped_mm over the Groups of the Operands A, B, C. `call` names the caller's stride
-    pattern ("up", "dz", "dW", "dA"): the autotuner keeps tiles per call."""
+    pattern ("up", "dz"): the autotuner keeps tiles per call."""
     groups = tuple(tuple(g) for g in groups)
     up, ieee = dot_flags(A.t)
     grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"])
                              for g in groups),)
-    grouped[bits(A.t)][grid](A.t, B.t, C.t, _meta(groups, C.t.device), A.s_outer, A.s_inner,
-                             B.s_outer, B.s_inner,
-                             C.s_outer, C.s_inner,
-                             *(bucket(max(g[i] for g in groups)) for i in range(3)),
-                             CALLS.index(call), G=len(groups), UPCAST=up, IEEE=ieee)
+    launcher("grouped_mm", A.t)[grid](A.t, B.t, C.t, _meta(groups, C.t.device),
+                                      A.s_outer, A.s_inner, B.s_outer, B.s_inner,
+                                      C.s_outer, C.s_inner,
+                                      *(bucket(max(g[i] for g in groups)) for i in range(3)),
+                                      CALLS.index(call), G=len(groups), UPCAST=up, IEEE=ieee)
     return C.t
 
 

@@ -30,14 +30,13 @@ import triton_kernels as tk  # noqa: E402
 
 F32 = ("s_ptr", "ds_ptr", "dg_ptr", "rstd_ptr", "eps")   # always fp32
 I32 = ("meta_ptr",)
-GEMMS = {"norm_down_fwd": ("BM", "BN", "BK"), "norm_down_dx": ("BM", "BN", "BK"),
+GEMMS = {"norm_down_fwd": ("BM", "BN", "BK"), "norm_down_dx": ("BM", "BK", "BN"),
          "grouped_mm": ("BP", "BQ", "BK")}
 
 
 # the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them
-# constants; NormDown's "dA" has the strides of "dW")
-GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq"),
-                 "dW": ("s_ap", "s_bq", "s_cq")}
+# constants)
+GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq")}
 
 
 def signature(fn, dtype, ones=()):
