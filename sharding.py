@@ -128,11 +128,11 @@ class Sharded(nn.Module):
 
     def grad_norm_sq(self):
         """Squared global gradient norm: sharded parameters summed over TP, replicated counted once;
-        under --dp_shard every gradient is also a dp shard (dp_shard.py): summed over dp too."""
+        under --dp_shard every gradient is also a dp shard (dp_shard.py): summed over dp too. One
+        torch._foreach_norm per kind (one kernel for many tensors, no copy of any gradient), the
+        squares of the per-tensor norms summed in fp64."""
         params = dict(self.named_parameters())
-        sharded = replicated = torch.zeros((), dtype=torch.float64,
-                                           device=dp_shard.local(next(self.parameters())).device)
-        dp_group = None
+        kinds, dp_group = {"sharded": [], "replicated": []}, None
         for name, spec in self.named_specs():
             g = params[name].grad
             if g is None or (name == "tok_emb" and self.tied and not self.first):
@@ -140,10 +140,11 @@ class Sharded(nn.Module):
                 continue
             if dp_shard.is_sharded(g):
                 dp_group, g = g.device_mesh.get_group(), g.to_local()
-            if spec.dim is None:
-                replicated = replicated + g.double().pow(2).sum()
-            else:
-                sharded = sharded + g.double().pow(2).sum()
+            kinds["sharded" if spec.dim is not None else "replicated"].append(g)
+        device = dp_shard.local(next(self.parameters())).device
+        sharded, replicated = (torch.stack(torch._foreach_norm(gs)).double().pow(2).sum() if gs
+                               else torch.zeros((), dtype=torch.float64, device=device)
+                               for gs in kinds.values())
         if self.tp.size > 1:
             dist.all_reduce(sharded, group=self.tp.group)
         total = sharded + replicated
@@ -162,10 +163,14 @@ def clip_grad_norm(model, max_norm, pp_group=None):
         dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
     norm = norm_sq.sqrt().float()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # (under --dp_shard a DTensor: scale this rank's shard); one _foreach_mul_ per gradient dtype
+    by_dtype = {}
     for p in tp_model.parameters():
-        if p.grad is not None:   # (under --dp_shard a DTensor: scale this rank's shard)
+        if p.grad is not None:
             g = dp_shard.local(p.grad)
-            g.mul_(coef.to(g.dtype))
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, gs in by_dtype.items():
+        torch._foreach_mul_(gs, coef.to(dtype))
     return norm
 
 

@@ -54,10 +54,7 @@ def main(argv):
         kernels.select(tc.kernels, plan.device)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
             from plumbing import explain
-            place = placement.place_processes(plan)
-            explain.main(plan, place, placement.build_model(plan, place)[0])
-            placement.finish(plan.world)
-            return
+            return explain.main(plan, placement.place_processes(plan))
         rundir.check_place(tc.out_dir)
         if master:
             held = rundir.lock(tc.out_dir)   # a second run into this out_dir stops here
@@ -209,9 +206,11 @@ class Run:
 
 @torch.no_grad()
 def evaluate(run):
-    """Mean loss over eval_iters fixed global batches per split (the same at every evaluation)."""
-    run.model.eval()
-    out = {}
+    """Mean loss over eval_iters fixed global batches per split (the same at every evaluation),
+    through the model itself, not its compiled or DDP wrapper: no_grad and eval() would make
+    torch.compile trace a second graph."""
+    model, out = run.raw_model, {}
+    model.eval()
     for split in ("train", "val"):
         total = torch.zeros((), device=run.place.device)
         for k in range(run.tc.eval_iters):
@@ -220,10 +219,10 @@ def evaluate(run):
                     total += run.pipe.run(*run.whole(split, f"eval-{split}", k), train=False)
                 else:
                     parts = run.shares(split, f"eval-{split}", k)
-                    total += sum(run.model(x, y)[1].float() for x, y in parts) / run.micro_steps
+                    total += sum(model(x, y)[1].float() for x, y in parts) / run.micro_steps
         out[split] = run.mean_over_dp(total / run.tc.eval_iters)
     dp_shard.reshard(run.raw_model)   # (--dp_shard=grad keeps what forward gathered)
-    run.model.train()
+    model.train()
     return out
 
 
@@ -240,13 +239,13 @@ def check_finite(run, iter_num):
 
 def save_checkpoint(run, iter_num, crash=None):
     check_finite(run, iter_num)
-    meta = {"config": run.cfg.shape(), "train_config": asdict(run.tc),
-            "tokenizer": run.tc.tokenizer,
+    tc = run.tc
+    meta = {"config": run.cfg.shape(), "train_config": asdict(tc), "tokenizer": tc.tokenizer,
             "tokenizer_id": run.tokenizer_id, "run_id": run.run_id}
     t = time.time()
     try:
-        path, size = train_state.save(run.tc.out_dir, iter_num, run.raw_model, run.optimizer,
-                                      run.place.ckpt_mesh, meta, keep=run.tc.keep_checkpoints,
+        path, size = train_state.save(tc.out_dir, iter_num, run.raw_model, run.optimizer,
+                                      run.place.ckpt_mesh, meta, keep=tc.keep_checkpoints,
                                       before_publish=crash, discard=run.damaged)
     except ValueError as e:   # the disk is full: one line, exit 2
         fail(e)
@@ -348,9 +347,10 @@ def loop(run, iter_num, flops_per_token, interrupt):
         loss_sum = train_step(run, iter_num)
         if profiler:
             profiler.step()
-        t1 = time.time()
+        logging = iter_num % tc.log_interval == 0 or bool(record)
+        t1 = rundir.clock(run.place.device, logging)   # (log steps: after the device's work)
         dt, t0 = t1 - t0, t1
-        if iter_num % tc.log_interval == 0 or record:
+        if logging:
             log_step(run, iter_num, lr, loss_sum, dt, t1 - t_start, start_iter, flops_per_token,
                      record)
         iter_num += 1
@@ -387,7 +387,7 @@ def sample(run):
     tc = run.tc
     if tc.sample_tokens > 0 and run.pipe:
         run.log("no sample under pp > 1: export the checkpoint, then python interchange.py sample")
-    if tc.sample_tokens <= 0 or run.pipe:
+    if tc.sample_tokens <= 0 or run.pipe:   # (nothing to sample, or no one model to sample from)
         return
     torch.manual_seed(tc.seed)
     enc = load_tokenizer(tc.tokenizer)

@@ -333,11 +333,12 @@ def comparison(cfg, tc, tp, layout, b, s, device):
     return lines
 
 
-def main(plan, place, model):
-    """--explain=true: one recorded step of the model train.py built for this rank
+def main(plan, place):
+    """--explain=true: one recorded step of the model train.py builds for this rank
     (placement.Placement says where it sits), printed by rank 0; nothing else runs and no file is
     written."""
     from dataclasses import replace
+    model = placement.build_model(plan, place)[0]
     cfg, tc, layout = plan.cfg, plan.tc, plan.layout
     world, mesh, tp, device = place.world, place.mesh, place.tp, place.device
     coords = {name: mesh.get_local_rank(name)
@@ -366,6 +367,7 @@ def main(plan, place, model):
     compare = comparison(cfg, tc, tp, layout, b, s, device) if tc.tp > 1 else []
     if rank == 0:
         report(cfg, tc, place, layout, (b, s), views, sums, compare)
+    placement.finish(plan.world)
 
 
 def report(cfg, tc, place, layout, shape, views, sums, compare):

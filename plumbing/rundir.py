@@ -251,6 +251,20 @@ class Interrupt:
             signal.signal(s, handler)
 
 
+def synchronize(device):
+    """Wait for the device's queued work (a GPU's; a no-op elsewhere)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def clock(device, synchronized):
+    """time.time(), after the device's queued work when `synchronized` (a log step, whose time,
+    tokens/s and MFU are the device's: the host is otherwise ahead of it by queued steps)."""
+    if synchronized:
+        synchronize(device)
+    return time.time()
+
+
 def peak_memory_gb(device):
     """This rank's peak memory: CUDA max allocated on a GPU, peak resident set size elsewhere."""
     if device.startswith("cuda"):

@@ -1,7 +1,8 @@
 """test_gpu_path.py: the mechanisms of the CUDA path that reproduce on a CPU: --kernels=auto choosing
 alike on every rank, shapes timed before torch.compile traces, autotune keys bucketed, int64 element
-offsets in the Triton kernels, and the non-finite check that never waits for the device (kernels.py,
-triton_kernels.py, train.py; BOOST arXiv 2512.12131 sections 3-4).
+offsets in the Triton kernels, the non-finite check that never waits for the device, and the fixes
+of a reading of every CUDA path that a CPU can show (kernels.py, triton_kernels.py, train.py,
+sharding.py, tools/gpu_check.py; BOOST arXiv 2512.12131 sections 3-4).
 """
 import pytest
 import torch
@@ -17,8 +18,8 @@ from conftest import TINY, expect_error, spawn
 
 def _choose(tp_rank, world, out):
     """Each rank times one shape with forced times that favour triton on rank 0, torch on rank 1."""
-    forced = {0: {"triton": 1.0, "torch": 2.0}, 1: {"triton": 4.0, "torch": 1.0}}[tp_rank]
-    kernels._time = lambda fn, args, name: forced[name]
+    forced = {0: {"triton": (1.0, 1.0), "torch": (2.0, 2.0)}, 1: {"triton": (4.0, 4.0), "torch": (1.0, 1.0)}}[tp_rank]
+    kernels._time = lambda fn, args, name: forced[name]   # (forward ms, backward ms)
     kernels.select("torch", "cpu")
     kernels.agree_over(dist.group.WORLD if out == "agreed" else None)
     with kernels.using("auto"):
@@ -26,9 +27,9 @@ def _choose(tp_rank, world, out):
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if out == "agreed":   # the mean times: triton 2.5 ms, torch 1.5 ms on both ranks
-        assert everyone == ["torch", "torch"], everyone
+        assert everyone == [("torch", "torch")] * 2, everyone
     else:                 # alone, each rank keeps its own faster one: the drift the agreement prevents
-        assert everyone == ["triton", "torch"], everyone
+        assert everyone == [("triton", "triton"), ("torch", "torch")], everyone
 
 
 @pytest.mark.parametrize("mode", ["agreed", "alone"])
@@ -93,7 +94,7 @@ def test_compile_with_auto_times_every_shape_in_an_eager_step_first(tmp_path, da
     reference chosen: a CPU has no CUDA for auto, and compiling takes minutes)."""
     at_compile = {}
     monkeypatch.setattr(kernels, "select", lambda mode, device: setattr(kernels, "_backend", "auto"))
-    monkeypatch.setattr(kernels, "_time", lambda fn, args, name: {"triton": 2.0, "torch": 1.0}[name])
+    monkeypatch.setattr(kernels, "_time", lambda fn, args, name: {"triton": (2.0, 2.0), "torch": (1.0, 1.0)}[name])
     monkeypatch.setattr(torch, "compile", lambda model: (at_compile.setdefault("chosen", kernels.chosen()), model)[1])
     kernels._choices.clear()
     try:
@@ -106,3 +107,147 @@ def test_compile_with_auto_times_every_shape_in_an_eager_step_first(tmp_path, da
     assert at_compile["chosen"] == timed   # training met no shape the warm-up had not timed
     ops = {op for op, key in at_compile["chosen"]}
     assert ops == {"norm_down", "grouped_up", "rms_norm"}, at_compile
+
+
+# ---------------------------------------------------------------- issue 34's CPU-visible fixes
+
+def test_norm_down_and_rms_norm_keep_an_fp32_residual_under_autocast():
+    """Under bf16 autocast the kernels take the fp32 residual as it is (not rounded to bf16 first):
+    Σx² and RMSNorm come from fp32 x as the reference's do, and dx is fp32; only the matmul's
+    operands are bf16 (CPU autocast, kernels interpreted: the dtype handling is the CUDA path's)."""
+    g = torch.Generator().manual_seed(0)
+    x = (1 + torch.randn(37, 40, generator=g) * 1e-2).requires_grad_()   # bf16 rounding shows in Σx²
+    gamma, A = 1 + torch.rand(40, generator=g), torch.randn(24, 40, generator=g)
+    got, want = {}, {}
+    for impl, out in (("triton", got), ("torch", want)):
+        x.grad = None
+        with kernels.using(impl), torch.autocast("cpu", dtype=torch.bfloat16):
+            H, S = kernels.norm_down(x, gamma, A)
+            y = kernels.rms_norm(x, gamma, 1e-5)
+        (H.float().sum() + S.sum() + y.sum()).backward()
+        out.update(H=H, S=S, y=y, dx=x.grad)
+    assert got["S"].dtype == torch.float32 and got["y"].dtype == torch.float32 and got["dx"].dtype == torch.float32
+    torch.testing.assert_close(got["S"], want["S"], rtol=1e-6, atol=0)   # bf16-rounded x: off by ~1e-3
+    torch.testing.assert_close(got["y"], want["y"], rtol=1e-6, atol=1e-6)
+    assert got["H"].dtype == want["H"].dtype == torch.bfloat16   # (the interpreter's bf16 casts truncate)
+    for name in ("H", "dx"):
+        scale = want[name].float().abs().max().item()
+        torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_triton_architecture_is_chosen_per_device_at_first_launch(monkeypatch):
+    """Importing triton_kernels asks no GPU anything; each device's architecture (A100 80, H100 90)
+    picks its own tile list when a kernel first launches there."""
+    monkeypatch.setattr(tk, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: {0: (8, 0), 1: (9, 0)}[d.index])
+    assert [tk.arch(torch.device("cuda", i)) for i in (0, 1)] == [80, 90]
+    configs = {a: [(c.kwargs, c.num_stages) for c in tk.tuner("grouped_mm", 16, a).configs] for a in (80, 90)}
+    assert configs[80] != configs[90] and len(configs[90]) == len(tk.GEMM_CONFIGS[(90, 16)])
+    assert tk.tuner("grouped_mm", 16, 90) is tk.tuner("grouped_mm", 16, 90)   # made once
+
+
+def test_one_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
+    """--device=cuda:1 without torchrun: Triton launches and timings use the current device, so it is
+    set (a CPU run sets nothing)."""
+    from types import SimpleNamespace
+    from plumbing import placement
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", seen.append)
+    for device in ("cuda:1", "cpu"):
+        place = placement.place_processes(SimpleNamespace(tc=None, world=1, dp=1, device=device))
+        assert place.device == device
+    assert seen == ["cuda:1"]
+
+
+def test_clip_grad_norm_uses_foreach_kernels_and_copies_no_gradient(monkeypatch):
+    """The norm is one _foreach_norm per kind of parameter (fp64 only for the per-tensor norms) and
+    the clipping one _foreach_mul_: no fp64 copy of a gradient, no per-parameter mul; the result is
+    the single-device norm and clipping."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import sharding
+    from conftest import group_of_one
+    from model import Config, Llama
+    cfg = Config(arch="cola", n_layer=2, n_embd=32, n_head=4, block_size=8, vocab_size=64)
+    torch.manual_seed(0)
+    model = group_of_one(Llama(cfg), "none")
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(idx, idx)[1].backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    want = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))
+
+    class Ops(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            big = [o for o in (out if isinstance(out, (list, tuple)) else [out])
+                   if torch.is_tensor(o) and o.dtype == torch.float64 and o.numel() > len(grads)]
+            self.seen.append((func.overloadpacket.__name__, bool(big)))
+            return out
+    with Ops():
+        norm = sharding.clip_grad_norm(model, 0.5 * want.item())
+    names = [n for n, _ in Ops.seen]
+    assert "_foreach_norm" in names and "_foreach_mul_" in names and "mul_" not in names, names
+    assert not any(big for _, big in Ops.seen), Ops.seen   # no fp64 tensor bigger than the norms
+    torch.testing.assert_close(norm.double(), want, rtol=1e-6, atol=0)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * 0.5, rtol=1e-5, atol=1e-7)
+
+
+def test_evaluation_runs_the_uncompiled_model(tmp_path, data_dir, monkeypatch):
+    """--compile=true: the compiled module trains; evaluation (no_grad, eval()) runs the model itself,
+    so torch.compile never traces a second graph for it (torch.compile is stood in for here)."""
+    calls = []
+
+    class Compiled(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            calls.append(torch.is_grad_enabled())
+            return self.model(*args)
+    monkeypatch.setattr(torch, "compile", Compiled)
+    train.main([f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=2", "--compile=true",
+                "--eval_interval=1", "--sample_tokens=0"])
+    assert calls == [True, True], calls   # the two training steps, no evaluation
+
+
+def test_a_log_step_is_timed_after_the_device_is_synchronised(tmp_path, data_dir, monkeypatch):
+    """A step's time, tokens/s and MFU at a log step are the device's: the clock is read after the
+    device's queued work (rundir.clock), and only at log steps (no wait on the others)."""
+    from plumbing import rundir
+    events, clock = [], rundir.clock
+    monkeypatch.setattr(rundir, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(rundir, "clock", lambda device, s: (events.append(f"clock {s}"), clock(device, s))[1])
+    train.main([f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=4", "--log_interval=2",
+                "--eval_interval=100", "--sample_tokens=0"])
+    assert events == ["clock True", "sync", "clock False", "clock True", "sync", "clock False"], events
+
+
+def test_gpu_check_cpu_says_in_one_line_when_the_interpreter_cannot_run(monkeypatch):
+    """Triton 3.6's interpreter fails with numpy 2.4 and newer (the GPU image's pair): gpu_check --cpu
+    says so in one line instead of failing later."""
+    import numpy
+    import gpu_check
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.5.0")
+    assert "fails in triton 3.6.0 with numpy 2.5.0" in gpu_check.missing(cpu=True)
+    assert gpu_check.missing(cpu=False) is None or "CUDA" in gpu_check.missing(cpu=False)
+    monkeypatch.setattr(numpy, "__version__", "2.3.1")
+    assert gpu_check.missing(cpu=True) is None
+
+
+def test_optimizer_state_is_made_on_each_parameter_device():
+    """The fused AdamW keeps `step` on the parameter's device (a GPU's): the state a resume loads into
+    is made there, every moment and every step (parameters on the meta device stand for a GPU's)."""
+    from plumbing import train_state
+    from conftest import group_of_one
+    from model import Config, Llama
+    model = group_of_one(Llama(Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=8,
+                                      vocab_size=64)), "none").to("meta")
+    opt = train.configure_optimizer(model, train.options.TrainConfig())
+    views = train_state.state_views(model, opt, None)
+    assert views and all(t.device.type == "meta" for t in views.values())
+    assert all(t.device.type == "meta" for p in model.parameters() for t in opt.state[p].values())
