@@ -110,6 +110,9 @@ def test_gpu_check_runs_its_steps_on_a_cpu(tmp_path):
     assert set(summary["train"]["compared"]) == {"triton-float32 vs torch-float32", "resumed-float32 vs triton-float32",
                                                  "lowrank-float32 vs triton-float32"}
     assert "summary: env ok; kernels ok; train ok; bench skipped" in res.stdout
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]   # as they came
+    assert {r["step"] for r in rows} == {"env", "kernels", "train", "bench"}
+    assert sum("ok   float32" in r["line"] for r in rows) == 6 and [r["s"] for r in rows] == sorted(r["s"] for r in rows)
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "-h"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--budget_s" in res.stdout
 

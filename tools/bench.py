@@ -358,7 +358,10 @@ def main(argv):
             sys.exit(2)
         import bench_gpu
         n_layer = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--n_layer=")), 8)
-        text, out = bench_gpu.run("cuda", n_layer)
+        json_dir.mkdir(parents=True, exist_ok=True)
+        text, out = bench_gpu.run("cuda", n_layer, log=print,
+                                  rows_path=json_dir / "bench-gpu-rows.jsonl")
+        text = ""   # (printed row by row)
     elif what == "data":
         import bench_data
         try:
@@ -381,7 +384,7 @@ def main(argv):
     json_dir.mkdir(parents=True, exist_ok=True)
     (json_dir / f"bench-{what}.json").write_text(json.dumps(out, indent=1))
     if what == "gpu":
-        (json_dir / "bench-gpu.md").write_text(text + "\n")
+        (json_dir / "bench-gpu.md").write_text("\n".join(out["lines"]) + "\n")
     print(f"\n(written to {json_dir / f'bench-{what}.json'})")
 
 

@@ -1,15 +1,18 @@
 """bench_gpu.py: `python tools/bench.py gpu`: the first measurements on one GPU, in one command (<
 5 minutes).
 
-BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, written to <json_dir>/bench-gpu.json and printed:
+BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, each row printed and appended to a JSON Lines
+file as it is measured (a run cut short keeps its rows), then written to <json_dir>/bench-gpu.json:
 
 1. The kernels of kernels.py at the TP=4 slices of BOOST's 1B and 7B shapes (configs/boost_1b.toml,
-   boost_7b.toml; M = 4·4096 tokens), Triton against the PyTorch reference, forward and forward +
-   backward: ms, TFLOP/s (GB/s for RMSNorm), and the time of a plain torch.matmul of the same FLOPs
-   divided by the op's (1.0 = as fast as cuBLAS on that many FLOPs).
+   boost_7b.toml; M = 4·4096 tokens), Triton against the PyTorch reference (cuBLAS), forward and
+   backward apart: ms of each and their ratio (torch/Triton: 1.0 = as fast as cuBLAS; the goal is
+   at least 0.9).
 2. One training step (forward, backward, AdamW; bf16 autocast) of the 1B-shaped full, svd and cola
    models on one GPU (`--n_layer`, default 8 of its 24 layers, keeps torch.compile short), compile
-   off and on: tokens/s, MFU against the measured bf16 matmul peak, peak memory.
+   off and on: ms, the layers' ms (less the head, measured alone: at few layers the 32000-way tied
+   head is most of CoLA's matmul weights), tokens/s, MFU against the measured bf16 matmul peak,
+   peak memory (reset before each row).
 
 Nothing here runs without CUDA; tests check the shapes and the plumbing on the CPU with tiny shapes.
 """
@@ -128,35 +131,66 @@ def train_step(cfg, device, compile_, batch=1, runs=5):
     return {"ms": ms, "tokens_per_s": batch * cfg.block_size / ms * 1000, "peak_gb": peak}
 
 
-def run(device="cuda", n_layer=8, json_path=None):
-    """Both tables; returns (markdown, results)."""
-    import kernels
-    from model import Llama
-    kernels.select("auto", device)
-    dtype = torch.bfloat16
-    out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
-           else str(device),
-           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "kernels": [],
-           "steps": []}
-    out["matmul_peak_tflops"] = peak = matmul_peak(device)
-    lines = [f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak "
-             f"measured: {peak:.0f} TFLOP/s",
-             "", "| shape | op | impl | fwd ms | fwd+bwd ms | TFLOP/s or GB/s (fwd) | matmul of "
-             "the same FLOPs / op |",
-             "|---|---|---|---|---|---|---|"]
+def head_ms(cfg, device, tokens, runs=5):
+    """ms of the head alone (final RMSNorm, the (V, d) matmul, cross-entropy; forward and backward,
+    bf16 autocast) at this many tokens: what the step rows take out to give the layers' time."""
+    import torch.nn.functional as F
+    x = torch.randn(tokens, cfg.n_embd, device=device, requires_grad=True)
+    w = torch.randn(cfg.vocab_size, cfg.n_embd, device=device, requires_grad=True)
+    gain = torch.ones(cfg.n_embd, device=device, requires_grad=True)
+    y = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
+
+    def step():
+        with torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16):
+            h = F.rms_norm(x, (cfg.n_embd,), gain, cfg.norm_eps)
+            loss = F.cross_entropy((h @ w.t()).float(), y)
+        loss.backward()
+    return timed(step, device, runs)
+
+
+def fresh_peak(device):
+    """Free what earlier rows left and start the peak from here."""
+    import gc
+    gc.collect()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def kernel_rows(device, dtype, emit):
+    """The kernels at the 1B and 7B TP=4 slices, forward and backward apart (backward = forward +
+    backward less forward, medians): Triton ms, the PyTorch reference's (cuBLAS) ms, their ratio."""
+    emit("| shape | op | fwd Triton ms | fwd torch ms | torch/Triton | bwd Triton ms | "
+         "bwd torch ms | torch/Triton |")
+    emit("|---|---|---|---|---|---|---|---|")
     for name, cfg in shapes().items():
         for label, op, input_shapes, flops in kernel_cases(cfg):
-            for impl in ("triton", "torch"):
-                r = measure_op(op, input_shapes, flops, impl, device, dtype)
-                out["kernels"].append({"shape": name, "op": label, "impl": impl, **r})
-                rate = f"{r['tflops_fwd']:.0f} TFLOP/s" if flops else f"{r['gbs_fwd']:.0f} GB/s"
-                lines.append(f"| {name} TP={TP} | {label} | {impl} | {r['fwd_ms']:.3f} | "
-                             f"{r['fwd_bwd_ms']:.3f} | {rate} | "
-                             + (f"{r['vs_matmul']:.2f}" if flops else "-") + " |")
-    lines += ["", f"One training step of the 1B shape with {n_layer} layers, 1 × 4096 tokens, "
-              f"bf16, one GPU:", "",
-              "| arch | compile | ms | tokens/s | MFU | peak GB |", "|---|---|---|---|---|---|"]
+            fresh_peak(device)
+            r = {impl: measure_op(op, input_shapes, flops, impl, device, dtype)
+                 for impl in ("triton", "torch")}
+            for impl in r:
+                r[impl]["bwd_ms"] = r[impl]["fwd_bwd_ms"] - r[impl]["fwd_ms"]
+            row = {"shape": name, "op": label, **{f"{impl}_{k}": v for impl in r
+                                                   for k, v in r[impl].items()}}
+            emit(f"| {name} TP={TP} | {label} | {r['triton']['fwd_ms']:.3f} | "
+                 f"{r['torch']['fwd_ms']:.3f} | {r['torch']['fwd_ms'] / r['triton']['fwd_ms']:.2f}"
+                 f" | {r['triton']['bwd_ms']:.3f} | {r['torch']['bwd_ms']:.3f} | "
+                 f"{r['torch']['bwd_ms'] / r['triton']['bwd_ms']:.2f} |", row)
+
+
+def step_rows(device, n_layer, peak, emit):
+    """One training step of the 1B shape at n_layer layers, each arch, compile off and on; the
+    layers' time is the step's less the head's (measured alone): at few layers the tied head is
+    most of CoLA's matmul weights."""
+    from model import Llama
     base = shapes()["1b"]
+    cfg0 = type(base)(**{**base.shape(), "vocab_size": 32000})
+    head = head_ms(cfg0, device, cfg0.block_size)
+    emit(f"One training step of the 1B shape with {n_layer} layers, 1 × {cfg0.block_size} tokens, "
+         f"bf16, one GPU; the head alone (norm, {cfg0.vocab_size}-way matmul, cross-entropy, "
+         f"forward and backward): {head:.1f} ms", {"head_ms": head})
+    emit("| arch | compile | ms | layers ms (less the head) | tokens/s | MFU | peak GB |")
+    emit("|---|---|---|---|---|---|---|")
     for arch in ("full", "svd", "cola"):
         cfg = type(base)(**{**base.shape(), "arch": arch, "n_layer": n_layer, "vocab_size": 32000,
                             "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
@@ -164,11 +198,40 @@ def run(device="cuda", n_layer=8, json_path=None):
             # counted from the matrices
             flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)
         for compile_ in (False, True):
+            fresh_peak(device)
             r = train_step(cfg, device, compile_)
             r["mfu"] = flops_per_token * r["tokens_per_s"] / (peak * 1e12)
-            out["steps"].append({"arch": arch, "compile": compile_, **r})
-            lines.append(f"| {arch} | {compile_} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-                         f"{100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} |")
+            r["layers_ms"] = r["ms"] - head
+            emit(f"| {arch} | {compile_} | {r['ms']:.1f} | {r['layers_ms']:.1f} | "
+                 f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} |",
+                 {"arch": arch, "compile": compile_, **r})
+
+
+def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None):
+    """Both tables, each row printed (log) and appended to rows_path (JSON Lines) as it is
+    measured, so that a run stopped by a timeout keeps its rows; returns (markdown, results)."""
+    import kernels
+    kernels.select("auto", device)
+    out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
+           else str(device),
+           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": [],
+           "lines": []}
+    lines = out["lines"]
+
+    def emit(line, row=None):
+        lines.append(line)
+        log(line)
+        if row is not None:
+            out["rows"].append(row)
+            if rows_path:
+                with open(rows_path, "a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+    out["matmul_peak_tflops"] = peak = matmul_peak(device)
+    emit(f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak "
+         f"measured: {peak:.0f} TFLOP/s", {"matmul_peak_tflops": peak})
+    kernel_rows(device, torch.bfloat16, emit)
+    emit("")
+    step_rows(device, n_layer, peak, emit)
     text = "\n".join(lines)
     if json_path:
         with open(json_path, "w") as fh:

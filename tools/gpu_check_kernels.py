@@ -4,8 +4,8 @@ PyTorch reference, forward and backward, on the device it runs on.
 BOOST (arXiv 2512.12131) sections 3-4 (online RMSNorm fused with the down-projection, the grouped
 up-projections, RMSNorm). Each tile configuration of triton_kernels.GEMM_CONFIGS is forced in turn
 (the autotuners get a list of one) on ragged shapes, bf16 and fp32; then the TP=4 slices of BOOST's
-1B and 7B shapes go through the real autotuners. Both sides get the same inputs rounded to the
-dtype; the reference computes in fp32, and the error is the largest difference relative to the
+1B and 7B shapes go through the real autotuners in bf16. Both sides get the same inputs rounded to
+the dtype; the reference computes in fp32, and the error is the largest difference relative to the
 largest reference value, for the outputs and for every input's gradient. On a CPU it runs in
 Triton's interpreter (one configuration, small shapes), which is how the tests run it.
 """
@@ -60,14 +60,16 @@ def compare(op, shapes, dtype, device, seed=0):
     return err(zip(got["triton"][0], got["torch"][0])), err(zip(got["triton"][1], got["torch"][1]))
 
 
-def tuners(bits):
-    return [tk.norm_down_fwd[bits], tk.norm_down_dx[bits], tk.grouped[bits]]
+def tuners(bits, device):
+    """The autotuned kernels for `bits`-wide inputs on this device (triton_kernels.tuner)."""
+    arch = tk.arch(torch.device(device)) if str(device).startswith("cuda") else None
+    return [tk.tuner(name, bits, arch) for name in tk.KERNELS]
 
 
 @contextlib.contextmanager
-def forced(bits, i):
+def forced(bits, device, i):
     """The autotuners for `bits`-wide inputs with their i-th configuration only (then restored)."""
-    saved = [(t, t.configs) for t in tuners(bits)]
+    saved = [(t, t.configs) for t in tuners(bits, device)]
     for t, configs in saved:
         t.configs = [configs[i]]
         t.cache.clear()
@@ -94,12 +96,12 @@ def run(device, log, real_shapes=True):
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         bits = tk.bits(torch.empty(0, dtype=dtype))
-        for i in range(len(tuners(bits)[0].configs)):
-            with forced(bits, i) as config:
+        for i in range(len(tuners(bits, device)[0].configs)):
+            with forced(bits, device, i) as config:
                 tiles = "x".join(str(v) for v in config.kwargs.values())
                 label = f"{str(dtype)[6:]} {tiles} w{config.num_warps} s{config.num_stages}"
                 results += [check(op, shapes, dtype, device, label, log) for op, shapes in RAGGED]
-        if real_shapes:
+        if real_shapes and dtype == torch.bfloat16:   # (what a GPU trains in; fp32 above)
             import bench_gpu
             for name, cfg in bench_gpu.shapes().items():
                 for case, op, shapes, _ in bench_gpu.kernel_cases(cfg):

@@ -4,9 +4,11 @@ the time of a 200-token sample.
 BOOST (arXiv 2512.12131) sections 3-4: the Triton kernels (--kernels=triton), the PyTorch reference
 (torch) and the per-shape choice between them (auto) train the same CoLA model to the same losses:
 fp32 within 1e-3 relative at every iteration, bf16 within 2%. A run stopped at iteration 15 and
-resumed, one with --recompute=lowrank and one compiled train to the straight run's losses too. The
-runs are train.py processes, side by side on the one GPU (small models); on a CPU (--cpu) a smaller
-model, fp32, the reference and the interpreted kernels.
+resumed (its second half starts as soon as the first ends), one with --recompute=lowrank, and two
+compiled ones (--kernels=auto against auto eager; --kernels=triton, which puts the user Triton
+kernels inside inductor's graph, against Triton eager) train to the same losses too. The runs are
+train.py processes, side by side on the one GPU (small models), each reported as it ends; on a CPU
+(--cpu) a smaller model, fp32, the reference and the interpreted kernels.
 """
 import json
 import shutil
@@ -36,13 +38,16 @@ def plan(cpu):
     runs["resumed-float32"] = ["--kernels=triton", "--dtype=float32",
                                f"--max_iters={1 if cpu else 15}"]   # then resumed
     runs["lowrank-float32"] = ["--kernels=triton", "--dtype=float32", "--recompute=lowrank"]
-    if not cpu:
+    if not cpu:   # compiled: auto's choices, and Triton's kernels inside inductor's graph
         runs["compiled-bfloat16"] = ["--kernels=auto", "--dtype=bfloat16", "--compile=true"]
+        runs["compiled-triton-bfloat16"] = ["--kernels=triton", "--dtype=bfloat16",
+                                            "--compile=true"]
     pairs = [(f"{k}-{d}", f"torch-{d}", d) for k in impls[1:] for d in dtypes]
     pairs += [("resumed-float32", "triton-float32", "float32"),
               ("lowrank-float32", "triton-float32", "float32")]
     if not cpu:
-        pairs.append(("compiled-bfloat16", "auto-bfloat16", "bfloat16"))
+        pairs += [("compiled-bfloat16", "auto-bfloat16", "bfloat16"),
+                  ("compiled-triton-bfloat16", "triton-bfloat16", "bfloat16")]
     return runs, pairs
 
 
@@ -109,12 +114,18 @@ def step(args):
     prepare.prepare(data.EMBEDDED, "bytes", data_dir, log=lambda *a: None)
     runs, pairs = plan(args.cpu)
     started = {name: launch(name, extra, args, data_dir) for name, extra in runs.items()}
-    losses = {name: finish(name, p, args) for name, p in started.items()}
-    if losses["resumed-float32"] is not None:   # the second half, from the checkpoint at the middle
-        resumed = launch("resumed-float32",
-                         ["--kernels=triton", "--dtype=float32", "--init_from=resume"], args,
-                         data_dir)
-        losses["resumed-float32"] = finish("resumed-float32", resumed, args)
+    losses, resumed = {}, False
+    # each run reported as it ends; the resume starts as soon as its first half ends
+    while started:
+        name = next((n for n, (p, _) in started.items() if p.poll() is not None), None)
+        if name is None:
+            time.sleep(0.2)
+            continue
+        losses[name] = finish(name, started.pop(name), args)
+        if name == "resumed-float32" and not resumed and losses[name] is not None:
+            resumed = True   # the second half, from the checkpoint at the middle
+            started[name] = launch(name, ["--kernels=triton", "--dtype=float32",
+                                          "--init_from=resume"], args, data_dir)
     failed = sum(v is None for v in losses.values())
     compared = {}
     for run, against, dtype in pairs:
