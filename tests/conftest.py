@@ -46,15 +46,55 @@ def losses(records):
 
 
 def torchrun(nproc, *args, timeout=300, launcher=(), check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *launcher, str(ROOT / "train.py"), *args]
+    """train.py on nproc ranks. torchrun itself where its agent is what a test checks (launcher
+    options such as --max-restarts, or check=False: the job's exit status); otherwise `launch`,
+    the same worker processes with the variables torchrun gives them, without the agent's two
+    seconds of start and stop."""
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    elif launcher or not check:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *launcher, str(ROOT / "train.py"), *args]
+    else:
+        return launch(nproc, [str(ROOT / "train.py"), *args], timeout)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check:
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res
+
+
+def launch(nproc, argv, timeout):
+    """What `torchrun --standalone --nproc_per_node=nproc` starts: nproc python processes with RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT (a free port, found as
+    --standalone finds one), their output in one stream; every rank must exit 0 (a failed rank
+    stops the others, as the agent does)."""
+    import socket
+    import tempfile
+    import time
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out, stderr=err, text=True,
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+        deadline = time.time() + timeout
+        while any(p.poll() is None for p in procs) and time.time() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+        codes = [p.poll() for p in procs]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert codes == [0] * nproc, f"ranks exited {codes}\n" + stdout[-2000:] + stderr[-3000:]
+    return subprocess.CompletedProcess(argv, 0, stdout, stderr)
 
 
 def metrics(out_dir, events=False):
