@@ -88,13 +88,14 @@ def _norm_down_fwd(x_ptr, g_ptr, a_ptr, h_ptr, s_ptr, M, N, K, s_xm, s_an, s_hm,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     ss = tl.zeros((BM,), dtype=tl.float32)
     rk = tl.arange(0, BK)
-    x_ptrs = x_ptr + _at(rm, rk, s_xm, 1)   # (the offsets made once; the pointers advance by BK)
-    a_ptrs = a_ptr + _at(rn, rk, s_an, 1)
+    a_ptrs = a_ptr + _at(rn, rk, s_an, 1)   # (made once, advanced by BK: A's offsets)
     for k0 in range(0, K, BK):
-        x = tl.load(x_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+        # x's offsets rebuilt each step: a second tile of 64-bit pointers kept across the loop
+        # spilled 24 B on sm_90 in fp32 (64x64x32; tools/gpu_compile.py)
+        x = tl.load(x_ptr + _at(rm, k0 + rk, s_xm, 1),
+                    mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
         g = tl.load(g_ptr + k0 + rk, mask=k0 + rk < K, other=0.0)
         a = tl.load(a_ptrs, mask=(rn[:, None] < N) & (k0 + rk[None, :] < K), other=0.0)
-        x_ptrs += BK
         a_ptrs += BK
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)

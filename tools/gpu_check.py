@@ -170,7 +170,7 @@ def main(argv):
             if left < 5:
                 summary[name] = {"status": "not run (budget spent)"}
                 continue
-            print(f"== {name} (at most {min(limit, left):.0f} s)", flush=True)
+            log(f"== {name} (at most {min(limit, left):.0f} s)", name)
             t0 = time.time()
             cmd = [sys.executable, str(Path(__file__)), f"--step={name}",
                    f"--out={tmp}"] + (["--cpu"] if args.cpu else [])
@@ -178,7 +178,7 @@ def main(argv):
                                       {"TRITON_INTERPRET": "1"} if args.cpu else None)
             summary[name] = {"status": status, "seconds": round(time.time() - t0, 1),
                              **(result or {})}
-            print(f"== {name}: {status} in {summary[name]['seconds']} s", flush=True)
+            log(f"== {name}: {status} in {summary[name]['seconds']} s", name)
     print("\nsummary: " + "; ".join(f"{n} {s['status']}" for n, s in summary.items()) +
           f" ({time.time() - start:.0f} s of {args.budget_s:.0f})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
