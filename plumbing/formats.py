@@ -4,10 +4,14 @@ Not in the BOOST paper (arXiv 2512.12131); what lets a model trained with BTP be
 CoLA model trained elsewhere be trained on with BTP). interchange.py's export and import commands
 write and read these; docs/design.md states both formats:
 
-  hf    Hugging Face Llama (`model_type: llama`, `LlamaForCausalLM` loads it without custom code,
-        and so does lm-evaluation-harness). It computes down(silu(gate)·up) with dense
-        projections, so it holds the dense model, and the svd model after merging each W = B·A
-        (exact: σ is the identity there).
+  hf    Hugging Face, for every model this trains. The dense model, and the svd model with
+        SwiGLU merged (W = B·A, exact: σ is the identity), as `model_type: llama`, which
+        transformers' own LlamaForCausalLM reads; cola, LaX and svd without SwiGLU as
+        `model_type: boost` with its code in the folder (configuration_boost.py and
+        modeling_boost.py from plumbing/hf_remote/, named by config.json's auto_map), read by
+        `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and lm-eval's hf
+        model with trust_remote_code=True. Its tensors are this project's under transformers'
+        module names (model.layers.i.self_attn.q_proj.A.weight, ...cross.norm.weight, ...).
   cola  the official CoLA format (`model_type: cola`, CoLA's `ColaForCausalLM`): every projection
         is x @ cola_a, σ = hidden_act, @ cola_b, with cola_a (in, r) = A.weight.T and cola_b
         (r, out) = B.weight.T; one `rank` for all projections; `only_lr_act` true for
@@ -20,6 +24,8 @@ line (ValueError).
 """
 import json
 import os
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -28,25 +34,34 @@ from plumbing import weights
 from plumbing.tokenizer import identity as tokenizer_identity, write_for_hf
 
 FORMATS = ("hf", "cola")
+REMOTE = Path(__file__).parent / "hf_remote"   # the code a boost folder carries
+AUTO_MAP = {"AutoConfig": "configuration_boost.BoostConfig",
+            "AutoModelForCausalLM": "modeling_boost.BoostForCausalLM"}
+BOOST_KEYS = {"boost_arch": str, "attn_rank": int, "mlp_rank": int, "mlp_gate": str, "lax": bool,
+              "lax_gate": str}   # config.json's bottleneck fields (model.Config's, renamed arch)
 PROJECTIONS = [("attn", "self_attn", n) for n in "qkvo"] + [("mlp", "mlp", n)
                                                             for n in ("gate", "up", "down")]
 
 
+def kind_of(cfg, fmt):
+    """The folder's model_type: llama (transformers' own class holds the model), boost (the
+    folder's code) or cola."""
+    if fmt == "cola":
+        return "cola"
+    plain = cfg.arch == "full" or (cfg.arch == "svd" and cfg.mlp_gate == "silu" and not cfg.lax)
+    return "llama" if plain else "boost"
+
+
 def check(cfg, fmt):
     """ValueError naming what `fmt` cannot represent of this model."""
-    if getattr(cfg, "lax", False) and fmt in FORMATS:
-        raise ValueError("a LaX model's latents cross between layers (a gate and a LayerNorm per "
-                         "projection), which the "
-                         f"{'Hugging Face Llama' if fmt == 'hf' else 'CoLA'} format cannot hold: "
-                         "use --format=pt")
     if fmt == "hf":
-        if cfg.arch == "cola":
-            raise ValueError("a cola model has σ = SiLU inside every projection, which Llama has "
-                             "not: use --format=cola")
-        if cfg.mlp_gate != "silu":
+        if cfg.arch == "full" and cfg.mlp_gate != "silu":
             raise ValueError(f"Hugging Face Llama computes down(silu(gate)·up); this {cfg.arch} "
                              f"model has mlp_gate={cfg.mlp_gate}")
     elif fmt == "cola":
+        if getattr(cfg, "lax", False):
+            raise ValueError("a LaX model's latents cross between layers (a gate and a LayerNorm "
+                             "per projection), which the CoLA format cannot hold: use --format=hf")
         if cfg.arch != "cola":
             raise ValueError(f"the CoLA format applies σ = hidden_act to every latent; "
                              f"arch={cfg.arch} "
@@ -65,8 +80,9 @@ def check(cfg, fmt):
 
 def hf_config(cfg, fmt, tokenizer):
     """config.json of a model (model.Config) in format `fmt`."""
-    out = {"architectures": ["LlamaForCausalLM" if fmt == "hf" else "ColaForCausalLM"],
-           "model_type": "llama" if fmt == "hf" else "cola",
+    kind = kind_of(cfg, fmt)
+    cls = {"llama": "LlamaForCausalLM", "cola": "ColaForCausalLM", "boost": "BoostForCausalLM"}
+    out = {"architectures": [cls[kind]], "model_type": kind,
            "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
            "num_attention_heads": cfg.n_head,
            "num_key_value_heads": cfg.n_kv_head, "num_hidden_layers": cfg.n_layer,
@@ -78,9 +94,12 @@ def hf_config(cfg, fmt, tokenizer):
            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
            "boost_tokenizer": tokenizer,
            "boost_arch": cfg.arch}
-    if fmt == "cola":
+    if kind == "cola":
         out.update(rank=cfg.attn_rank, only_lr_act=cfg.mlp_gate == "none",
                    max_sequence_length=cfg.block_size)
+    if kind == "boost":
+        out.update(auto_map=AUTO_MAP, attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank,
+                   mlp_gate=cfg.mlp_gate, lax=cfg.lax, lax_gate=cfg.lax_gate)
     return out
 
 
@@ -102,6 +121,7 @@ def to_format(state, cfg, fmt, check_format=True):
     """{name: tensor} of the model's state dict (single-device names) in format `fmt`."""
     if check_format:
         check(cfg, fmt)
+    kind = kind_of(cfg, fmt)
     same, projections = tensor_names(cfg)
     out = {theirs: state[ours] for ours, theirs in same}
     if not cfg.tie_embeddings:
@@ -109,8 +129,10 @@ def to_format(state, cfg, fmt, check_format=True):
     for src, dst in projections:
         if cfg.arch == "full":
             out[dst + "weight"] = state[src + "weight"]
-        elif fmt == "hf":   # svd: W = B·A, (out, r) @ (r, in)
+        elif kind == "llama":   # svd: W = B·A, (out, r) @ (r, in)
             out[dst + "weight"] = state[src + "B.weight"] @ state[src + "A.weight"]
+        elif kind == "boost":   # A, B and LaX's crossing under the projection's name
+            out.update({dst + k[len(src):]: v for k, v in state.items() if k.startswith(src)})
         else:
             out[dst + "cola_a"] = state[src + "A.weight"].t().contiguous()   # (in, r)
             out[dst + "cola_b"] = state[src + "B.weight"].t().contiguous()   # (r, out)
@@ -130,6 +152,9 @@ def write(folder, state, cfg, fmt, tokenizer):
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config(cfg, fmt, tokenizer), f, indent=1)
     st.save_file(tensors, os.path.join(folder, weights.WEIGHTS), metadata={"format": "pt"})
+    if kind_of(cfg, fmt) == "boost":   # the model's code, which auto_map names
+        for name in ("configuration_boost.py", "modeling_boost.py"):
+            shutil.copyfile(REMOTE / name, os.path.join(folder, name))
     # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
     write_for_hf(tokenizer, folder)
 
@@ -142,8 +167,8 @@ def config_kwargs(c, folder):
     """model.Config keyword arguments of an hf or cola config.json; ValueError with one line for a
     missing key, a value of the wrong type, or what this project cannot hold."""
     kind = c.get("model_type")
-    if kind not in ("llama", "cola"):
-        raise ValueError(f"{folder}: model_type={kind!r} is not llama or cola")
+    if kind not in ("llama", "cola", "boost"):
+        raise ValueError(f"{folder}: model_type={kind!r} is not llama, boost or cola")
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key):
             raise ValueError(f"{folder}: {key}=true: this project's projections have no bias")
@@ -174,7 +199,14 @@ def config_kwargs(c, folder):
               rope_base=float(c.get("rope_theta", 10000.0)),
               norm_eps=float(c.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(c.get("tie_word_embeddings", False)))
-    if kind == "cola":   # CoLA's k and v are n_head·head_dim wide whatever num_key_value_heads says
+    if kind == "boost":
+        for key, typ in BOOST_KEYS.items():
+            if not isinstance(c.get(key), typ) or (typ is int and isinstance(c[key], bool)):
+                raise ValueError(f"{folder}: config.json's {key}={c.get(key)!r} is not a "
+                                 f"{typ.__name__}")
+        kw.update(arch=c["boost_arch"], attn_rank=c["attn_rank"], mlp_rank=c["mlp_rank"],
+                  mlp_gate=c["mlp_gate"], lax=c["lax"], lax_gate=c["lax_gate"])
+    elif kind == "cola":   # CoLA's k, v are n_head·head_dim wide whatever num_key_value_heads says
         kw.update(attn_rank=c["rank"], mlp_rank=c["rank"],
                   mlp_gate="none" if c.get("only_lr_act", True) else "silu",
                   n_kv_head=h)
@@ -201,18 +233,20 @@ def read(folder):
     except ValueError as e:
         raise ValueError(f"{folder}: config.json describes no model this project can build "
                          f"({e})") from None
-    tensors = weights.load(folder, needed_shapes(cfg), optional={"lm_head.weight"})   # (tied: none)
-    return kw, from_format(tensors, cfg), c.get("boost_tokenizer")
+    kind = c["model_type"]
+    tensors = weights.load(folder, needed_shapes(cfg, kind),
+                           optional={"lm_head.weight"})   # (tied: none)
+    return kw, from_format(tensors, cfg, kind), c.get("boost_tokenizer")
 
 
-def needed_shapes(cfg):
+def needed_shapes(cfg, kind):
     """{name: shape} of the tensors a folder of cfg's model holds, in its format: a model of two
     layers is built on the meta device, and its last layer's names repeated (no model of cfg's size
     is built: a config.json may describe one that would not fit)."""
     small = llama.Config(**{**cfg.shape(), "n_layer": min(cfg.n_layer, 2)})
     with torch.device("meta"):
         state = llama.Llama(small).state_dict()
-    named = to_format(state, small, "cola" if cfg.arch == "cola" else "hf", check_format=False)
+    named = to_format(state, small, "cola" if kind == "cola" else "hf", check_format=False)
     out, last = {}, f".layers.{small.n_layer - 1}."
     for name, t in named.items():
         if last in name:
@@ -223,14 +257,17 @@ def needed_shapes(cfg):
     return out
 
 
-def from_format(tensors, cfg):
-    """The single-device state dict of a folder's tensors (hf or cola names), checked by read()."""
+def from_format(tensors, cfg, kind):
+    """The single-device state dict of a folder's tensors (llama, boost or cola names), checked by
+    read()."""
     same, projections = tensor_names(cfg)
     state = {ours: tensors[theirs] for ours, theirs in same}
     state["lm_head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     for dst, src in projections:
         if cfg.arch == "full":
             state[dst + "weight"] = tensors[src + "weight"]
+        elif kind == "boost":
+            state.update({dst + k[len(src):]: v for k, v in tensors.items() if k.startswith(src)})
         else:
             state[dst + "A.weight"] = tensors[src + "cola_a"].t().contiguous()   # (r, in)
             state[dst + "B.weight"] = tensors[src + "cola_b"].t().contiguous()   # (out, r)

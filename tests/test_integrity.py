@@ -80,7 +80,6 @@ def test_crafted_metadata_runs_nothing_on_resume_or_export(capsys, tmp_path, dat
 
 def test_crafted_weights_file_runs_nothing_on_import(tmp_path, checkpoint):
     folder = tmp_path / "hf"
-    assert tool("export", checkpoint, folder, "--format=hf")[0] == 2   # a cola model has no hf form
     cfg, state, _ = interchange.checkpoint_state(str(checkpoint))
     formats.write(folder, state, cfg, "cola", "bytes")
     assert (folder / "model.safetensors").exists() and not (folder / "pytorch_model.bin").exists()

@@ -240,7 +240,6 @@ def test_lax_resumes_across_layouts_and_exports(tmp_path, data_dir):
     import interchange
     exported, _ = interchange.load_exported(str(tmp_path / "model.pt"))
     assert exported.cfg.lax and any(".cross." in n for n, _ in exported.named_parameters())
-    for fmt in ("hf", "cola"):
-        code, err = command(interchange.cli, "export", ckpt, tmp_path / fmt, f"--format={fmt}")
-        assert code == 2 and "latents cross between layers" in err and "--format=pt" in err, err
-        assert not (tmp_path / fmt).exists()
+    code, err = command(interchange.cli, "export", ckpt, tmp_path / "cola", "--format=cola")   # (hf: test_hf_export)
+    assert code == 2 and "latents cross between layers" in err and "--format=hf" in err, err
+    assert not (tmp_path / "cola").exists()
