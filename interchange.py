@@ -1,9 +1,10 @@
-"""interchange.py: this project's models in the formats other tools read, and back: export and
-import.
+"""interchange.py: this project's models in the formats other tools read, and back: export,
+import, sample, and a checkpoint's held-out evaluation.
 
 Not in the BOOST paper (arXiv 2512.12131); what lets a model trained with BTP be evaluated (and a
-CoLA model trained elsewhere be trained on with BTP). The formats, hf (Hugging Face Llama) and cola
-(the official CoLA code's), are plumbing/formats.py.
+CoLA model trained elsewhere be trained on with BTP). The formats, hf (Hugging Face: transformers'
+Llama, or the folder's own code for cola, LaX and svd) and cola (the official CoLA code's), are
+plumbing/formats.py; eval is plumbing/heldout.py.
 
 The commands (a checkpoint is a folder <out_dir>/checkpoints/iter_NNNNNNN,
 plumbing/train_state.py's):
@@ -12,6 +13,8 @@ plumbing/train_state.py's):
     python interchange.py export out/checkpoints/iter_0002000 hf_model --format=hf   # or cola
     python interchange.py import hf_model out2   # a checkpoint to continue (--init_from=resume)
     python interchange.py sample model.pt 200    # generate from an exported file
+    python interchange.py eval out/checkpoints/iter_0002000 --dataset=path/to/corpus --tokens=100000
+                                                 # held-out loss, perplexity, bits per byte
 
 What a format cannot represent, or a folder whose weights do not fit its config.json, is refused
 with one line (ValueError).
@@ -164,8 +167,9 @@ def parser_of():
     p.add_argument("out", type=data.new_path,
                    help="the file (pt) or folder (hf, cola) to write; must not exist")
     p.add_argument("--format", default="pt", choices=("pt",) + formats.FORMATS,
-                   help="pt: one torch.save file; hf: Hugging Face Llama (full, or svd merged "
-                   "W = B·A); cola: the official CoLA format (cola models)")
+                   help="pt: one torch.save file; hf: Hugging Face (transformers' Llama for full "
+                   "and SwiGLU svd, merged W = B·A; cola, LaX and other svd with the folder's own "
+                   "code: trust_remote_code=True); cola: the official CoLA format (cola models)")
     p = sub.add_parser("import",
                        help="an hf or cola folder as the training checkpoint of a new run")
     p.add_argument("folder", help="a folder with config.json and model.safetensors (or "
@@ -174,6 +178,7 @@ def parser_of():
                    "--init_from=resume")
     p.add_argument("--tokenizer", help="default: the folder's tokenizer file, else the one "
                    "config.json names")
+    add_eval(sub, data)
     p = sub.add_parser("sample", help="generate text from an exported file")
     p.add_argument("model_file", type=_exported_file)
     p.add_argument("tokens", type=data.positive_int, nargs="?", default=200,
@@ -187,10 +192,40 @@ def parser_of():
     return parser
 
 
+def add_eval(sub, data):
+    """The eval command's arguments (plumbing/heldout.py: the CoLA and GaLore papers' protocol)."""
+    import sharding
+    p = sub.add_parser("eval", help="a checkpoint's held-out loss, perplexity and bits per byte "
+                       "over a fixed token budget (under torchrun: at any --tp)")
+    p.add_argument("checkpoint", type=_checkpoint_folder,
+                   help="a folder <out_dir>/checkpoints/iter_NNNNNNN")
+    p.add_argument("--dataset", required=True, help="a corpus as train.py takes it (prepared "
+                   "with the checkpoint's tokenizer into --data_dir)")
+    p.add_argument("--tokens", type=data.positive_int, default=1_000_000,
+                   help="the token budget, from the start of the split (default 1,000,000)")
+    p.add_argument("--split", choices=("val", "train"), default="val",
+                   help="of the prepared corpus (default val: what training held out)")
+    p.add_argument("--data_dir", default="data", help="where prepared token files are kept")
+    p.add_argument("--text_field", default="text", help="a JSON line's text field")
+    p.add_argument("--batch_size", type=data.positive_int, default=8, help="sequences a step")
+    p.add_argument("--tp", type=data.positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument("--layout", default="auto", choices=("auto",) + sharding.LAYOUTS,
+                   help="the TP layout (auto: btp for low-rank, megatron for dense)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
+
+
 def cli(argv):
     parser = parser_of()
     args = parser.parse_args(argv)
     t0 = time.time()
+    if args.command == "eval":
+        from plumbing import heldout
+        master = int(os.environ.get("RANK", "0")) == 0
+        try:
+            return heldout.run(args, print if master else (lambda *a: None))
+        except ValueError as e:   # (the same on every rank: rank 0 says it)
+            parser.error(str(e)) if master else sys.exit(2)
     if args.command in ("export", "import"):
         try:
             if args.command == "export":

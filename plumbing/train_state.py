@@ -42,14 +42,16 @@ def state_views(raw_model, optimizer, mesh):
     Under --dp_shard (dp_shard.py) each is this rank's dp shard of its piece as it is held, a
     `Block` of the full tensor: nothing is gathered."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    for p in raw_model.parameters():  # AdamW makes its state lazily: make it now, to load into
+    # AdamW makes its state lazily: make it now, to load into (no optimizer: the model alone)
+    for p in raw_model.parameters() if optimizer is not None else ():
         if not optimizer.state[p]:
             # (on the parameter's device, where the fused AdamW keeps it)
             optimizer.state[p].update(step=torch.zeros((), device=p.device),
                                       **{k: torch.zeros_like(p) for k in MOMENTS})
     views = {}
     for p, name, rows, dim in raw_model.pieces():
-        for kind, tensor in [("model", p.data)] + [(k, optimizer.state[p][k]) for k in MOMENTS]:
+        moments = [(k, optimizer.state[p][k]) for k in MOMENTS] if optimizer is not None else []
+        for kind, tensor in [("model", p.data)] + moments:
             key = "model." + name if kind == "model" else f"optim.{kind}.{name}"
             if dp_shard.is_sharded(tensor):
                 block = dp_block(tensor, rows, dim, raw_model.tp)
@@ -61,7 +63,8 @@ def state_views(raw_model, optimizer, mesh):
                 view = DTensor.from_local(view, mesh,
                                           [Replicate(), Replicate() if dim is None else Shard(dim)])
             views[key] = view
-    views["optim.step"] = optimizer.state[next(raw_model.parameters())]["step"]
+    if optimizer is not None:
+        views["optim.step"] = optimizer.state[next(raw_model.parameters())]["step"]
     return views
 
 
@@ -331,15 +334,16 @@ def choose(resume, config, tokenizer, load, same, log=print):
 
 
 def load(path, meta, raw_model, optimizer, mesh):
-    """Load a checkpoint into this rank's parameters and moments, whatever layout wrote it: None, or
-    the one line that says why it could not be read (the same on every rank)."""
+    """Load a checkpoint into this rank's parameters and moments (optimizer None: the parameters
+    alone), whatever layout wrote it: None, or the one line that says why it could not be read
+    (the same on every rank)."""
     views = state_views(raw_model, optimizer, mesh)
     error = integrity.dcp_load(views, path, meta["files"], no_dist=mesh is None)   # (no code runs)
     if dist.is_initialized():  # all ranks fail together, none is left waiting in a collective
         box = [None] * dist.get_world_size()
         dist.all_gather_object(box, error)
         error = next((e for e in box if e), None)
-    if error:
+    if error or optimizer is None:
         return error
     step = views["optim.step"]
     for p in raw_model.parameters():

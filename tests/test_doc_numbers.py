@@ -117,3 +117,16 @@ def test_startup_predictions_are_the_meta_models():
         assert build == f"{p['build_before_gb']:.1f} / {p['build_now_gb']:.1f}", name
         assert train == f"{p['train_gb']:.1f} / {p['train_sharded_gb']:.1f}", name
         assert ckpt == f"{p['ckpt_before_gb']:.1f} / {p['ckpt_now_gb']:.1f}", name
+
+
+def test_models_md_worked_example_counts_are_the_codes():
+    """The worked example's model (the default shape, cola with LaX, a 1,024-token tokenizer): its
+    parameters and FLOPs as train.py printed them; its token and sequence counts from block_size."""
+    text = (ROOT / "docs" / "models.md").read_text()
+    cfg, _ = options.parse_args(["--arch=cola", "--lax=true"])
+    cfg.vocab_size = 1024
+    with torch.device("meta"):
+        model = Llama(cfg)
+    line = f"cola: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token(cfg.block_size) / 1e6:.1f} MFLOP/token"
+    assert line in text, line
+    assert f"32,768 tokens of the val split of pydoc ({32768 // cfg.block_size} sequences of {cfg.block_size})" in text
