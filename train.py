@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import dp_shard
 import kernels
+import muon
 import prepare
 import sharding
 from model import estimate_mfu, sample_text
@@ -77,15 +78,6 @@ def main(argv):
 
 # ------------------------------------------------------------------------------ setting up a run
 
-def configure_optimizer(model, tc):
-    """AdamW, weight decay on 2-D weights only (matrices and embeddings, not norm gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel a step, which skips its update on the device where found_inf is 1
-    return torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), fused=True)
-
-
 def get_lr(it, tc):
     """Linear warmup, then cosine decay to min_lr at lr_decay_iters (nanoGPT)."""
     decay_iters = tc.lr_decay_iters or tc.max_iters
@@ -113,7 +105,7 @@ def train(plan, argv, resume, interrupt):
                   for s in ("train", "val")}
         place = placement.place_processes(plan)
         raw_model, n_params, flops_per_token = placement.build_model(plan, place)
-        optimizer = configure_optimizer(raw_model, tc)
+        optimizer = muon.configure(raw_model, tc)
         iter_num, run_id, resume_from, skipped = 0, rundir.new_run_id(), None, []
         if resume:   # the newest checkpoint that verifies and loads (each other one: a line)
             mesh = place.ckpt_mesh
@@ -322,8 +314,8 @@ def loop(run, iter_num, flops_per_token, interrupt):
     t_start = t0 = time.time()
     while True:
         lr = get_lr(iter_num, tc)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
+        for group in run.optimizer.param_groups:   # (Muon's: its own peak, scaled alike)
+            group["lr"] = lr * group.get("lr_ratio", 1.0)
         record = {}
         # evaluate (not again at the iteration a resumed run starts from: it was saved there)
         due = iter_num % tc.eval_interval == 0 or iter_num == tc.max_iters

@@ -69,6 +69,10 @@ class TrainConfig:
     warmup_iters: int = 100
     lr_decay_iters: int = 0        # 0: max_iters
     min_lr: float = 3e-4
+    # adamw | muon: Muon for the decoder's matrices (every A, B, dense projection), AdamW the rest
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02          # Muon's peak learning rate (the schedule scales it alike)
+    muon_momentum: float = 0.95    # Muon's Nesterov momentum
     # --- parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
@@ -96,7 +100,7 @@ CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "layout": ("auto",) + sharding.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"),
            "kernels": kernels.BACKENDS,
-           "dp_shard": dp_shard.MODES}
+           "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon")}
 FAULTS = ("kill", "nan", "kill_in_save")
 
 
@@ -279,7 +283,7 @@ def check_values(tc):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1",
-                 "beta2"):
+                 "beta2", "muon_lr", "muon_momentum"):
         if not math.isfinite(getattr(tc, name)):
             raise ValueError(f"{name}={getattr(tc, name)} must be a finite number")
     if tc.seed >= 2 ** 63:   # (torch.manual_seed takes a signed 64-bit integer)
@@ -292,7 +296,9 @@ def check_values(tc):
     if tc.min_lr > tc.learning_rate:
         raise ValueError(f"min_lr={tc.min_lr} is above learning_rate={tc.learning_rate}: the "
                          "schedule decays from learning_rate to min_lr, so lower --min_lr")
-    for name in ("beta1", "beta2"):
+    if tc.muon_lr <= 0:
+        raise ValueError(f"muon_lr={tc.muon_lr} must be positive")
+    for name in ("beta1", "beta2", "muon_momentum"):
         if not 0 <= getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 0 and below 1")
     if 0 < tc.lr_decay_iters < tc.warmup_iters:

@@ -36,21 +36,30 @@ from plumbing.tokenizer import identity as tokenizer_identity
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def state_kinds(optimizer):
+    """p -> the names of its optimizer state: AdamW's moments, or Muon's momentum buffer (muon.py's
+    groups marked "muon")."""
+    muon = {id(p) for g in getattr(optimizer, "param_groups", ()) if g.get("muon")
+            for p in g["params"]}
+    return lambda p: ("momentum_buffer",) if id(p) in muon else MOMENTS
+
+
 def state_views(raw_model, optimizer, mesh):
     """{key: tensor} of views into this rank's parameters and AdamW moments, under single-device
     names; DTensors on the (dp, tp) mesh when distributed. DCP saves from them and loads into them.
     Under --dp_shard (dp_shard.py) each is this rank's dp shard of its piece as it is held, a
     `Block` of the full tensor: nothing is gathered."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    # AdamW makes its state lazily: make it now, to load into (no optimizer: the model alone)
+    kinds = state_kinds(optimizer)
+    # the optimizers make their state lazily: make it now, to load into (none: the model alone)
     for p in raw_model.parameters() if optimizer is not None else ():
         if not optimizer.state[p]:
             # (on the parameter's device, where the fused AdamW keeps it)
             optimizer.state[p].update(step=torch.zeros((), device=p.device),
-                                      **{k: torch.zeros_like(p) for k in MOMENTS})
+                                      **{k: torch.zeros_like(p) for k in kinds(p)})
     views = {}
     for p, name, rows, dim in raw_model.pieces():
-        moments = [(k, optimizer.state[p][k]) for k in MOMENTS] if optimizer is not None else []
+        moments = [(k, optimizer.state[p][k]) for k in kinds(p)] if optimizer is not None else []
         for kind, tensor in [("model", p.data)] + moments:
             key = "model." + name if kind == "model" else f"optim.{kind}.{name}"
             if dp_shard.is_sharded(tensor):

@@ -330,7 +330,7 @@ def test_export_unsharded_and_generate(tmp_path, data_dir):
     cfg, tc = options.parse_args([*TINY, *CKPT_RUN])
     cfg.vocab_size = 320
     direct = group_of_one(Llama(cfg))   # as a tp=1 run trains
-    opt = train.configure_optimizer(direct, tc)
+    opt = train.muon.configure(direct, tc)
     meta = train_state.read_meta(ckpt)
     assert train_state.load(ckpt, meta, direct, opt, None) is None   # the sharded checkpoint, one process
     assert tokenizer == "bytes"

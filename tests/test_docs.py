@@ -9,7 +9,7 @@ import re
 from conftest import ROOT
 
 CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "pipeline.py", "kernels.py", "triton_kernels.py",
-        "checkpointing.py", "lax.py", "dp_shard.py", "train.py")
+        "checkpointing.py", "lax.py", "dp_shard.py", "muon.py", "train.py")
 SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
 
 

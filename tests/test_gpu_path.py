@@ -247,7 +247,7 @@ def test_optimizer_state_is_made_on_each_parameter_device():
     from model import Config, Llama
     model = group_of_one(Llama(Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=8,
                                       vocab_size=64)), "none").to("meta")
-    opt = train.configure_optimizer(model, train.options.TrainConfig())
+    opt = train.muon.configure(model, train.options.TrainConfig())
     views = train_state.state_views(model, opt, None)
     assert views and all(t.device.type == "meta" for t in views.values())
     assert all(t.device.type == "meta" for p in model.parameters() for t in opt.state[p].values())

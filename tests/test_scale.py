@@ -111,7 +111,7 @@ def _checkpoint_worker(rank, world, folder):
     plan.cfg.vocab_size = 8000
     place = placement.place_processes(plan)
     model = placement.build_model(plan, place)[0]
-    optimizer = train.configure_optimizer(model, plan.tc)
+    optimizer = train.muon.configure(model, plan.tc)
     views = train_state.state_views(model, optimizer, place.ckpt_mesh)   # (the moments made)
     for t in views.values():
         t.uniform_()   # (every value its own)

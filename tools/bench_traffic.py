@@ -39,13 +39,35 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
             totals.append([parallel.LEDGER.total("tp", phase) for phase in ("fwd", "bwd")])
+            totals[-1] += optimizer_traffic(model, layout)
         measured = [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)]
         formula = list(layouts.per_layer_traffic(layout, cfg)[:2])
-        out[layout + (" lax" if lax else "")] = {"measured": measured, "formula": formula}
+        out[layout + (" lax" if lax else "")] = {"measured": measured, "formula": formula,
+                                                 "muon": [totals[1][i] - totals[0][i]
+                                                          for i in (2, 3, 4, 5)]}
     if rank == 0:
         Path(result).write_text(json.dumps(out))
     placement.exit_worker(world)
 
+
+
+def optimizer_traffic(model, layout):
+    """Muon's step (muon.py) on the gradients the model holds: the ledger's "optim" elements and
+    muon.traffic's count, with the Gram path (btp only; else 0) and with the gather path."""
+    import muon
+    import parallel
+    from plumbing import options
+    tc = options.TrainConfig(optimizer="muon")
+    out = []
+    for prefer in ("gram", "gather"):
+        if prefer == "gram" and layout != "btp":
+            out += [0, 0]
+            continue
+        opt = muon.configure(model, tc, prefer)
+        parallel.LEDGER.reset()
+        opt.step()
+        out += [parallel.LEDGER.total("tp", "optim"), muon.traffic(opt)]
+    return out
 
 
 def bench_traffic(extra, tp):
@@ -65,8 +87,13 @@ def bench_traffic(extra, tp):
              f"{out[layout]['formula'][0] / out['btp']['formula'][0]:.2f}"] for layout in out]
     title = (f"d={cfg.n_embd}, d_ff={cfg.mlp_width}, kv={cfg.kv_dim}, "
              f"r={cfg.attn_rank}/{cfg.mlp_rank}, tp={tp}")
+    muon_rows = [[layout, *out[layout]["muon"]] for layout in out]
     return title + "\n\n" + table(["layout", "fwd formula", "bwd formula", "fwd measured",
                                    "bwd measured",
-                                   "fwd vs btp"], rows), out
+                                   "fwd vs btp"], rows) + \
+        "\n\nMuon's optimizer step (--optimizer=muon), elements all-reduced or gathered per " \
+        "layer and step, whatever the tokens:\n\n" + \
+        table(["layout", "Gram (measured)", "Gram (formula)", "gather (measured)",
+               "gather (formula)"], muon_rows), out
 
 

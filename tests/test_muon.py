@@ -1,0 +1,130 @@
+"""test_muon.py: Muon (muon.py) equals torch.optim.Muon on one device, and under every layout equals one
+device's Muon: the loss at every step and every parameter after a few steps, with the Gram path and
+the gather path, at tp=2 and tp=4 and dp2 × tp2; its collectives in the ledger (phase "optim") equal
+the formula; train.py with --optimizer=muon at tp=2 and pp=2 as one process, and resumed exactly.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import layouts
+import muon
+import parallel
+from conftest import TINY, losses, metrics, run_train, spawn, torchrun
+from model import Config, Llama
+from plumbing import options, placement
+
+
+def tc_of(**kw):
+    return options.TrainConfig(optimizer="muon", learning_rate=1e-2, muon_lr=0.05, **kw)
+
+
+def test_one_device_muon_is_torch_optim_muon():
+    """The whole-matrix path with its Newton-Schulz in bf16 is torch.optim.Muon's update (Nesterov,
+    decay lr·wd, lr·√max(1, m/n)), for a wide and a tall matrix over three steps."""
+    for shape in ((8, 24), (24, 8)):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(shape))
+        ref = torch.nn.Parameter(w.detach().clone())
+        mine = muon.MuonAdamW([{"params": [w], "muon": True, "pieces": {w: [muon.Piece(0, shape[0], shape, None, 1)]},
+                                "tp": None, "momentum": 0.9, "weight_decay": 0.1, "ns_dtype": torch.bfloat16}], lr=0.02)
+        theirs = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True,
+                                  adjust_lr_fn="original")
+        for step in range(3):
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(step))
+            w.grad, ref.grad = g.clone(), g.clone()
+            mine.step()
+            theirs.step()
+            torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=2e-3)
+
+
+def test_newton_schulz_orthogonalises():
+    X = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(muon.newton_schulz(X))
+    assert 0.6 < s.min() and s.max() < 1.3, s   # (the quintic's band around 1, as Muon's authors say)
+
+
+def small(arch, lax=False):
+    return Config(arch=arch, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, block_size=16, vocab_size=128,
+                  lax=lax, lax_gate="linear", attn_rank=8, mlp_rank=8)
+
+
+def _worker(tp_rank, world, meshes):
+    for dp, tp in meshes:
+        mesh = placement.init_mesh(dp, tp, "cpu", 120)
+        handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
+        parallel.LEDGER.name(mesh.get_group("tp"), "tp")
+        dp_rank = mesh.get_local_rank("dp")
+        for arch, layout, prefer in [("cola", "btp", "gram"), ("cola", "btp", "gather"), ("svd", "vanilla", None),
+                                     ("full", "megatron", None)]:
+            where = f"{arch}/{layout}/{prefer} dp={dp} tp={tp}"
+            torch.manual_seed(0)
+            ref = Llama(small(arch, lax=arch != "full"))
+            tp_model = layouts.TPLlama(copy.deepcopy(ref), handle, layout)
+            model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
+            opt_ref, opt = muon.configure(ref, tc_of()), muon.configure(tp_model, tc_of(), prefer)
+            modes = {pc.mode for g in opt.param_groups if g.get("muon") for pcs in g["pieces"].values() for pc in pcs}
+            assert modes == {"gram" if prefer == "gram" else "gather"}, (where, modes)
+            for step in range(3):
+                idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
+                share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+                loss = ref(idx, idx)[1]
+                loss.backward()
+                parallel.LEDGER.reset()
+                tp_loss = model(idx[share], idx[share])[1]
+                tp_loss.backward()
+                for o in (opt_ref, opt):
+                    o.step()
+                    o.zero_grad()
+                mean = tp_loss.detach().clone()
+                dist.all_reduce(mean, group=mesh.get_group("dp"))
+                torch.testing.assert_close(mean / dp, loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+                assert parallel.LEDGER.total("tp", "optim") == muon.traffic(opt), where
+            full = tp_model.full_tensors()
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(full[name], p.detach(), rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{where} {name}: {m}")
+        dist.barrier()
+
+
+def test_muon_tp2_every_layout_equals_one_device():
+    spawn(2, _worker, [(1, 2)])
+
+
+@pytest.mark.slow
+def test_muon_tp4_and_dp2_tp2_equal_one_device():
+    spawn(4, _worker, [(1, 4), (2, 2)], timeout=600)
+
+
+def test_traffic_formula_counts_gram_and_gather():
+    """muon.traffic: the Gram path's r×r matrices (5 a step, and the norms), the gather path's whole
+    matrices, by hand for one BTP layer's A_qkv (3 pieces of (8, 32/t)) at t=2."""
+    group = {"muon": True, "params": ["A"], "tp": parallel.TPGroup(None, 0, 2)}
+    gram = [muon.Piece(i * 8, 8, (24, 16), 1, 2, prefer="gram") for i in range(3)]
+    gather = [muon.Piece(i * 8, 8, (24, 16), 1, 2, prefer="gather") for i in range(3)]
+    assert [p.mode for p in gram + gather] == ["gram"] * 3 + ["gather"] * 3 and gram[0].full == (8, 32)
+    opt = type("O", (), {"param_groups": [{**group, "pieces": {"A": gram}}]})()
+    assert muon.traffic(opt) == 3 + 5 * 3 * 8 * 8
+    opt.param_groups[0]["pieces"] = {"A": gather}
+    assert muon.traffic(opt) == 3 * 8 * 32
+
+
+@pytest.mark.slow
+def test_train_py_muon_tp2_and_pp2_equal_one_process_and_resume(tmp_path, data_dir):
+    """--optimizer=muon through train.py: tp=2 (btp) and pp=2 reproduce one process's losses; a run
+    resumed from its checkpoint continues exactly (the momentum buffers saved and loaded)."""
+    common = [f"--data_dir={data_dir}", *TINY, "--optimizer=muon", "--max_iters=6", "--eval_interval=3",
+              "--lr_decay_iters=6"]
+    one = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
+    for name, extra in (("tp2", ["--tp=2"]), ("pp2", ["--pp=2", "--gradient_accumulation_steps=2",
+                                                      "--batch_size=2"])):
+        torchrun(2, f"--out_dir={tmp_path / name}", *common, *extra)   # (pp2: the same 4 sequences a step)
+        torch.testing.assert_close(torch.tensor(losses(metrics(tmp_path / name))), torch.tensor(one),
+                                   rtol=1e-5, atol=1e-6)
+    run_train(tmp_path / "half", data_dir, *common[1:], "--max_iters=3")
+    resumed = losses(run_train(tmp_path / "half", data_dir, *common[1:], "--init_from=resume"))
+    straight = losses(run_train(tmp_path / "straight", data_dir, *common[1:]))
+    assert resumed == straight, (resumed, straight)
