@@ -130,3 +130,15 @@ def test_models_md_worked_example_counts_are_the_codes():
     line = f"cola: {model.num_params() / 1e6:.2f}M parameters, {model.flops_per_token(cfg.block_size) / 1e6:.1f} MFLOP/token"
     assert line in text, line
     assert f"32,768 tokens of the val split of pydoc ({32768 // cfg.block_size} sequences of {cfg.block_size})" in text
+
+
+def test_muon_md_counts_are_the_codes():
+    """docs/muon.md's default run: the matrices Muon takes and their parameters, of the model's."""
+    import muon
+    cfg, _ = options.parse_args([])
+    cfg.vocab_size = options.vocab_size("bytes")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    mats = muon.muon_params(model)
+    text = " ".join((ROOT / "docs" / "muon.md").read_text().split())
+    assert f"{len(mats)} factors ({sum(p.numel() for p in mats):,} of the model's {model.num_params():,} parameters)" in text

@@ -47,8 +47,8 @@ def test_newton_schulz_orthogonalises():
     assert 0.6 < s.min() and s.max() < 1.3, s   # (the quintic's band around 1, as Muon's authors say)
 
 
-def small(arch, lax=False):
-    return Config(arch=arch, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, block_size=16, vocab_size=128,
+def small(arch, lax=False, kv=2):
+    return Config(arch=arch, n_layer=2, n_embd=32, n_head=4, n_kv_head=kv, block_size=16, vocab_size=128,
                   lax=lax, lax_gate="linear", attn_rank=8, mlp_rank=8)
 
 
@@ -62,7 +62,7 @@ def _worker(tp_rank, world, meshes):
                                      ("full", "megatron", None)]:
             where = f"{arch}/{layout}/{prefer} dp={dp} tp={tp}"
             torch.manual_seed(0)
-            ref = Llama(small(arch, lax=arch != "full"))
+            ref = Llama(small(arch, lax=arch != "full", kv=max(2, tp)))
             tp_model = layouts.TPLlama(copy.deepcopy(ref), handle, layout)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             opt_ref, opt = muon.configure(ref, tc_of()), muon.configure(tp_model, tc_of(), prefer)
