@@ -207,6 +207,9 @@ def add_eval(sub, data):
                    help="of the prepared corpus (default val: what training held out)")
     p.add_argument("--data_dir", default="data", help="where prepared token files are kept")
     p.add_argument("--text_field", default="text", help="a JSON line's text field")
+    p.add_argument("--val_fraction", type=float, default=0.1,
+                   help="the corpus's held-out share, as it was (or will be) prepared for "
+                   "training (default 0.1, train.py's)")
     p.add_argument("--batch_size", type=data.positive_int, default=8, help="sequences a step")
     p.add_argument("--tp", type=data.positive_int, default=1, help="tensor-parallel degree")
     p.add_argument("--layout", default="auto", choices=("auto",) + sharding.LAYOUTS,

@@ -130,6 +130,7 @@ class MuonAdamW(torch.optim.AdamW):
         """Nesterov momentum, the orthogonalised update of every piece, then decay and the step;
         nothing moves where found_inf is 1 (a non-finite gradient, train.py's flag)."""
         found = getattr(self, "found_inf", None)
+        keep = 1.0 if found is None else (found == 0).to(torch.float32)   # (0: skip this step)
         work, grams, gathers = [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -138,9 +139,9 @@ class MuonAdamW(torch.optim.AdamW):
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p)
                 st["step"] = torch.zeros((), device=p.device)
-            g = p.grad if found is None else torch.where(found > 0, 0.0, p.grad)
+            g = p.grad if found is None else torch.where(found > 0, 0.0, p.grad)   # (no NaN in)
             buf = st["momentum_buffer"]
-            buf.lerp_(g, 1 - group["momentum"])
+            buf.lerp_(g, (1 - group["momentum"]) * keep)                  # (unchanged when skipped)
             update = g.lerp(buf, group["momentum"])                 # (Nesterov)
             st["step"] += 1
             for piece in group["pieces"][p]:
@@ -161,7 +162,7 @@ class MuonAdamW(torch.optim.AdamW):
             ys = newton_schulz_gram([x for *_, x in grams], group["tp"].group, group["ns_dtype"])
             for (p, piece, _), y in zip(grams, ys):
                 out[(p, piece.start)] = y.t() if piece.dim == 0 else y
-        self.apply(group, work, out, found)
+        self.apply(group, work, out, keep)
 
     @staticmethod
     def gathered(x, dim, tp):
@@ -171,9 +172,8 @@ class MuonAdamW(torch.optim.AdamW):
         return all_gather_last(x, tp.group, "optim")
 
     @staticmethod
-    def apply(group, params, out, found):
+    def apply(group, params, out, keep):
         lr, wd = group["lr"], group["weight_decay"]
-        keep = 1.0 if found is None else (found == 0).to(torch.float32)
         for p in params:
             p.mul_(1 - lr * wd * keep)
             for piece in group["pieces"][p]:

@@ -56,6 +56,7 @@ def sequences(folder, split, tokens, block_size):
 
 def run(args, log):
     """interchange.py eval: {loss, perplexity, bits_per_byte, tokens, bytes}, printed by rank 0."""
+    prepare.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
     cfg, meta = checkpoint_meta(args.checkpoint)
     tokenizer = meta.get("tokenizer", "bytes")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -63,7 +64,7 @@ def run(args, log):
                  dtype=args.dtype, tokenizer=tokenizer, gradient_accumulation_steps=world)
     plan = make_plan(cfg, tc, world)
     folder = prepare.prepare_once(args.dataset, tokenizer, args.data_dir, tc.num_proc,
-                                  tc.val_fraction, args.text_field, log)
+                                  args.val_fraction, args.text_field, log)
     seqs = sequences(folder, args.split, args.tokens, cfg.block_size)   # (n, s + 1)
     place = placement.place_processes(plan)
     model = placement.build_model(plan, place)[0]

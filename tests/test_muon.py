@@ -41,6 +41,21 @@ def test_one_device_muon_is_torch_optim_muon():
             torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=2e-3)
 
 
+def test_a_step_with_found_inf_changes_nothing():
+    """train.py's non-finite flag: a NaN gradient with found_inf = 1 leaves the weights and the
+    momentum as they were (AdamW's fused step skips alike)."""
+    w = torch.nn.Parameter(torch.randn(8, 24))
+    opt = muon.MuonAdamW([{"params": [w], "muon": True, "pieces": {w: [muon.Piece(0, 8, (8, 24), None, 1)]},
+                           "tp": None, "momentum": 0.9, "weight_decay": 0.1, "ns_dtype": torch.float32}], lr=0.02)
+    w.grad = torch.randn(8, 24)
+    opt.step()
+    before, buf = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    w.grad = torch.full((8, 24), float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    assert torch.equal(w.detach(), before) and torch.equal(opt.state[w]["momentum_buffer"], buf)
+
+
 def test_newton_schulz_orthogonalises():
     X = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     s = torch.linalg.svdvals(muon.newton_schulz(X))
