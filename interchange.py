@@ -40,17 +40,7 @@ def checkpoint_state(path):
     """(model.Config, single-device state dict, tokenizer) of a checkpoint folder, in one process:
     its checksums verified as resume verifies them, its tensors loaded into a model of its
     config."""
-    try:
-        meta = train_state.read_meta(path)   # as resume reads it, with no run to compare it with
-        cfg = llama.Config(**meta["config"])
-        problem = integrity.verify(path, meta)
-    except integrity.Damaged as e:
-        raise ValueError(f"checkpoint {path}: {e}") from None
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint {path}: meta.json is unreadable "
-                         f"({type(e).__name__})") from None
-    if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
+    cfg, meta = train_state.verified(path)
     # the template DCP loads into (a tied head is the embedding: stored once)
     model = llama.Llama(cfg)
     state = {"model." + name: p.detach() for name, p in model.named_parameters()}

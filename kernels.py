@@ -185,13 +185,12 @@ def rms_norm_ref(x, gamma, eps):
 
 # ------------------------------------------------------------------------- dispatch
 
-def _autocast(*tensors):
-    """Custom Functions are not autocast: give a matmul's operands the autocast dtype ourselves."""
-    device = tensors[0].device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        return [t.to(dtype) for t in tensors]
-    return [t.to(tensors[0].dtype) for t in tensors]
+def _autocast(t, like):
+    """Custom Functions are not autocast: a matmul operand t in the autocast dtype ourselves, or
+    without autocast in like's dtype."""
+    device = t.device.type
+    return t.to(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else
+                like.dtype)
 
 
 def norm_down(x, gamma, A):
@@ -202,7 +201,7 @@ def norm_down(x, gamma, A):
                   (x, gamma, A))
     if ways == ("torch", "torch"):
         return norm_down_ref(x, gamma, A)
-    A, = _autocast(A) if torch.is_autocast_enabled(A.device.type) else (A.to(x.dtype),)
+    A = _autocast(A, x)
     H, S = NormDown.apply(x.reshape(-1, x.shape[-1]), gamma, A, *ways)
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
@@ -216,8 +215,7 @@ def grouped_up(z, Bs):
                   (z, *Bs))
     if ways == ("torch", "torch"):
         return grouped_up_ref(z, Bs)
-    z2, = _autocast(z)
-    Y = GroupedUp.apply(z2.reshape(-1, z.shape[-1]), *ways, *Bs)
+    Y = GroupedUp.apply(_autocast(z, z).reshape(-1, z.shape[-1]), *ways, *Bs)
     return [y.view(*z.shape[:-1], -1) for y in Y.split([B.shape[0] for B in Bs], -1)]
 
 

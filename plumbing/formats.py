@@ -78,9 +78,8 @@ def check(cfg, fmt):
         raise ValueError(f"format={fmt} is not one of {', '.join(FORMATS)}")
 
 
-def hf_config(cfg, fmt, tokenizer):
-    """config.json of a model (model.Config) in format `fmt`."""
-    kind = kind_of(cfg, fmt)
+def hf_config(cfg, kind, tokenizer):
+    """config.json of a model (model.Config) in a folder of model_type `kind`."""
     cls = {"llama": "LlamaForCausalLM", "cola": "ColaForCausalLM", "boost": "BoostForCausalLM"}
     out = {"architectures": [cls[kind]], "model_type": kind,
            "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
@@ -117,11 +116,9 @@ def tensor_names(cfg):
     return same, projections
 
 
-def to_format(state, cfg, fmt, check_format=True):
-    """{name: tensor} of the model's state dict (single-device names) in format `fmt`."""
-    if check_format:
-        check(cfg, fmt)
-    kind = kind_of(cfg, fmt)
+def to_format(state, cfg, kind):
+    """{name: tensor} of the model's state dict (single-device names) in a folder of model_type
+    `kind` (kind_of: llama, boost or cola)."""
     same, projections = tensor_names(cfg)
     out = {theirs: state[ours] for ours, theirs in same}
     if not cfg.tie_embeddings:
@@ -143,16 +140,18 @@ def to_format(state, cfg, fmt, check_format=True):
 def write(folder, state, cfg, fmt, tokenizer):
     """A folder in format `fmt` (config.json, model.safetensors); refuses to write into a non-empty
     one."""
-    tensors, st = to_format(state, cfg, fmt), weights.safetensors()
+    check(cfg, fmt)
+    kind = kind_of(cfg, fmt)
+    tensors, st = to_format(state, cfg, kind), weights.safetensors()
     if os.path.exists(folder) and os.listdir(folder):
         raise ValueError(f"{folder} exists and is not empty: choose another folder")
     # (a tokenizer file that is gone: one line, before anything is written)
     tokenizer_identity(tokenizer)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, fmt, tokenizer), f, indent=1)
+        json.dump(hf_config(cfg, kind, tokenizer), f, indent=1)
     st.save_file(tensors, os.path.join(folder, weights.WEIGHTS), metadata={"format": "pt"})
-    if kind_of(cfg, fmt) == "boost":   # the model's code, which auto_map names
+    if kind == "boost":   # the model's code, which auto_map names
         for name in ("configuration_boost.py", "modeling_boost.py"):
             shutil.copyfile(REMOTE / name, os.path.join(folder, name))
     # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
@@ -246,7 +245,7 @@ def needed_shapes(cfg, kind):
     small = llama.Config(**{**cfg.shape(), "n_layer": min(cfg.n_layer, 2)})
     with torch.device("meta"):
         state = llama.Llama(small).state_dict()
-    named = to_format(state, small, "cola" if kind == "cola" else "hf", check_format=False)
+    named = to_format(state, small, kind)   # (the folder's own model_type, not re-derived)
     out, last = {}, f".layers.{small.n_layer - 1}."
     for name, t in named.items():
         if last in name:

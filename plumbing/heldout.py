@@ -19,27 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import model as llama
 import prepare
-from plumbing import integrity, options, placement, train_state
+from plumbing import options, placement, train_state
 from plumbing.data import TokenFile
 from plumbing.plan import make as make_plan
 from plumbing.tokenizer import load as load_tokenizer
-
-
-def checkpoint_meta(path):
-    """(model.Config, meta.json) of a checkpoint, its checksums verified as resume verifies them."""
-    try:
-        meta = train_state.read_meta(path)
-        problem = integrity.verify(path, meta)
-    except integrity.Damaged as e:
-        raise ValueError(f"checkpoint {path}: {e}") from None
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint {path}: meta.json is unreadable ({type(e).__name__})") \
-            from None
-    if problem:
-        raise ValueError(f"checkpoint {path}: {problem}")
-    return llama.Config(**meta["config"]), meta
 
 
 def sequences(folder, split, tokens, block_size):
@@ -57,7 +41,7 @@ def sequences(folder, split, tokens, block_size):
 def run(args, log):
     """interchange.py eval: {loss, perplexity, bits_per_byte, tokens, bytes}, printed by rank 0."""
     prepare.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
-    cfg, meta = checkpoint_meta(args.checkpoint)
+    cfg, meta = train_state.verified(args.checkpoint)
     tokenizer = meta.get("tokenizer", "bytes")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tc = replace(options.TrainConfig(), tp=args.tp, layout=args.layout, device=args.device,

@@ -268,6 +268,23 @@ def intact(found, log):
     raise ValueError(f"no usable checkpoint in {os.path.dirname(found[0])} ({'; '.join(problems)})")
 
 
+def verified(path):
+    """(model.Config, meta.json) of a checkpoint read on its own (export, eval), its checksums
+    verified as resume verifies them; ValueError with one line naming what is wrong."""
+    try:
+        meta = read_meta(path)   # as resume reads it, with no run to compare it with
+        cfg = llama.Config(**meta["config"])
+        problem = integrity.verify(path, meta)
+    except integrity.Damaged as e:
+        raise ValueError(f"checkpoint {path}: {e}") from None
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint {path}: meta.json is unreadable "
+                         f"({type(e).__name__})") from None
+    if problem:
+        raise ValueError(f"checkpoint {path}: {problem}")
+    return cfg, meta
+
+
 def read_meta(path, config=(), tokenizer=None):
     """meta.json of a checkpoint, as written (integrity.Damaged otherwise); ValueError naming the
     field where the model's shape differs from `config` (a run's Config.shape(); none to compare:

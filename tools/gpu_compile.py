@@ -30,8 +30,8 @@ import triton_kernels as tk  # noqa: E402
 
 F32 = ("s_ptr", "ds_ptr", "dg_ptr", "rstd_ptr", "eps")   # always fp32
 I32 = ("meta_ptr",)
-GEMMS = {"norm_down_fwd": ("BM", "BN", "BK"), "norm_down_dx": ("BM", "BK", "BN"),
-         "grouped_mm": ("BP", "BQ", "BK")}
+# the GEMM-shaped kernels and their block names, as the autotuners name them
+GEMMS = {name: blocks for name, (_, blocks, _, _) in tk.KERNELS.items()}
 
 
 # the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them
