@@ -28,6 +28,7 @@ import re
 
 import torch
 
+import dp_shard
 from parallel import all_gather_last, all_reduce
 
 NS = (3.4445, -4.7750, 2.0315)
@@ -135,15 +136,7 @@ class MuonAdamW(torch.optim.AdamW):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p)
-                st["step"] = torch.zeros((), device=p.device)
-            g = p.grad if found is None else torch.where(found > 0, 0.0, p.grad)   # (no NaN in)
-            buf = st["momentum_buffer"]
-            buf.lerp_(g, (1 - group["momentum"]) * keep)                  # (unchanged when skipped)
-            update = g.lerp(buf, group["momentum"])                 # (Nesterov)
-            st["step"] += 1
+            update = self.nesterov(p, group["momentum"], found, keep)   # (TP-local, dp gathered)
             for piece in group["pieces"][p]:
                 x = piece.block(update)
                 if piece.mode == "gram":   # oriented (small, large): the cut runs along columns
@@ -164,6 +157,20 @@ class MuonAdamW(torch.optim.AdamW):
                 out[(p, piece.start)] = y.t() if piece.dim == 0 else y
         self.apply(group, work, out, keep)
 
+    def nesterov(self, p, momentum, found, keep):
+        """The momentum step of p's buffer and p's Nesterov update, whole on this TP rank: under
+        --dp_shard on this dp rank's rows, then the update gathered over dp (see dp_gathered)."""
+        st = self.state[p]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(p)             # (a dp shard, as p is)
+            st["step"] = torch.zeros((), device=p.device)
+        grad, buf = dp_shard.local(p.grad), dp_shard.local(st["momentum_buffer"])
+        g = grad if found is None else torch.where(found > 0, 0.0, grad)   # (no NaN in)
+        buf.lerp_(g, (1 - momentum) * keep)                         # (unchanged when skipped)
+        st["step"] += 1
+        update = g.lerp(buf, momentum)                              # (Nesterov)
+        return dp_gathered(p, update) if dp_shard.is_sharded(p) else update
+
     @staticmethod
     def gathered(x, dim, tp):
         """The whole piece from every rank's block, cut along `dim`."""
@@ -175,10 +182,27 @@ class MuonAdamW(torch.optim.AdamW):
     def apply(group, params, out, keep):
         lr, wd = group["lr"], group["weight_decay"]
         for p in params:
-            p.mul_(1 - lr * wd * keep)
+            local = dp_shard.local(p)                               # (under --dp_shard: rows lo..)
+            lo = dp_shard.rows_of(p)[0] if dp_shard.is_sharded(p) else 0
+            local.mul_(1 - lr * wd * keep)
             for piece in group["pieces"][p]:
-                step = out[(p, piece.start)].to(p.dtype) * (lr * piece.lr_scale * keep)
-                piece.block(p).sub_(step)
+                a, b = max(piece.start, lo), min(piece.start + piece.rows, lo + len(local))
+                if a < b:                                           # (this dp rank's rows of it)
+                    step = out[(p, piece.start)][a - piece.start:b - piece.start]
+                    local[a - lo:b - lo].sub_(step.to(p.dtype) * (lr * piece.lr_scale * keep))
+
+
+def dp_gathered(p, rows):
+    """Under --dp_shard: the whole TP-local update of p from each dp rank's `rows` (FSDP2 cuts dim 0
+    as torch.chunk does, ceil(m/dp) rows a rank: padded to that, gathered, cut back). Gathered
+    rather than orthogonalised shard-wise: a dp shard holds rows of the TP-local tensor, which for
+    an A (r, d/t) cut the short side r (X·Xᵀ needs whole rows) and for a stacked qkv cut across
+    pieces; its bytes are one all-gather of the matrices, as FSDP2's own before a forward."""
+    m, mesh = p.shape[0], p.device_mesh
+    size = -(-m // mesh.size())
+    padded = rows.new_zeros((size, *rows.shape[1:]))                # (ceil(m/dp), n)
+    padded[:len(rows)] = rows
+    return all_gather_last(padded.t(), mesh.get_group(), "optim").t()[:m]   # (m, n)
 
 
 def configure(model, tc, prefer=None):
@@ -217,15 +241,44 @@ def muon_params(model):
     return [p for n, p in model.named_parameters() if MATRIX.search(n)]
 
 
-def traffic(optimizer):
-    """The elements Muon's collectives carry in one step (the ledger's phase "optim" counts the
-    results): per Gram piece its r×r matrix at each of the 5 steps, and one norm; per gathered piece
-    the whole matrix (m·n)."""
+def per_layer_traffic(layout, cfg, t, prefer=None):
+    """The elements Muon's TP collectives carry for one decoder layer in one step, written in the
+    terms of layouts.per_layer_traffic (d, kv, f, r_a, r_m; t) and tested equal to the ledger:
+    each projection (out, in) of rank ρ is A (ρ, in) and B (out, ρ) (arch=full: W (out, in)),
+    cut by BTP along in and out (X's long side), by vanilla along ρ, by Megatron along out (q, k,
+    v, gate, up: column-parallel) or in (o, down); a piece costs 5·min(m, n)² + 1 by the Gram path
+    or m·n gathered (Piece chooses)."""
+    if t == 1:
+        return 0
+    d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
     total = 0
-    for group in optimizer.param_groups:
-        if not group.get("muon"):
+    for out, inp, rho, col in [(d, d, ra, True), (kv, d, ra, True), (kv, d, ra, True),
+                               (d, d, ra, False), (f, d, rm, True), (f, d, rm, True),
+                               (d, f, rm, False)]:                  # q, k, v, o, gate, up, down
+        mats = {"megatron": [(out, inp, 0 if col else 1)],
+                "btp": [(rho, inp, 1), (out, rho, 0)],
+                "vanilla": [(rho, inp, 0), (out, rho, 1)]}[layout]
+        for m, n, dim in mats:
+            piece = Piece(0, m // t if dim == 0 else m, (0, n // t if dim == 1 else n), dim, t,
+                          prefer)
+            total += 5 * min(m, n) ** 2 + 1 if piece.mode == "gram" else m * n
+    return total
+
+
+def traffic(optimizer, group="tp"):
+    """The elements Muon's collectives over `group` carry in one step (the ledger's phase "optim"
+    counts the results). "tp": per Gram piece its r×r matrix at each of the 5 steps, and one norm;
+    per gathered piece the whole matrix (m·n). "dp" (--dp_shard): every matrix's TP-local update,
+    its m rows padded to a multiple of dp."""
+    total = 0
+    for g in optimizer.param_groups:
+        if not g.get("muon"):
             continue
-        pieces = [pc for p in group["params"] for pc in group["pieces"][p]]
+        if group == "dp":
+            total += sum(-(-p.shape[0] // dp) * dp * math.prod(p.shape[1:]) for p in g["params"]
+                         if dp_shard.is_sharded(p) for dp in [p.device_mesh.size()])
+            continue
+        pieces = [pc for p in g["params"] for pc in g["pieces"][p]]
         grams = [pc for pc in pieces if pc.mode == "gram"]
         total += (len(grams) + STEPS * sum(min(pc.full) ** 2 for pc in grams)) if grams else 0
         total += sum(pc.full[0] * pc.full[1] for pc in pieces if pc.mode == "gather")

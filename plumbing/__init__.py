@@ -1,7 +1,7 @@
 """plumbing/__init__.py: what a run needs around BOOST's story (arXiv 2512.12131), apart from it.
 
 The files at the repository's root tell the story (model, layouts, sharding, parallel, pipeline,
-kernels, checkpointing, lax, dp_shard) and are the commands a user types (train, prepare,
+kernels, checkpointing, lax, dp_shard, muon) and are the commands a user types (train, prepare,
 interchange); none of the story imports this package. Here:
 
   options      train.py's options and their checks
@@ -16,4 +16,5 @@ interchange); none of the story imports this package. Here:
   corpus       text, JSON Lines, Parquet and compressed corpora, read document by document
   data         prepared token files and the batches drawn from them
   explain      --explain=true: one recorded step, printed (notation: the names of its shapes)
+  recorder     that step recorded op by op: ops, collectives (the optimizer's too), saved bytes
 """

@@ -3,240 +3,22 @@ step.
 
 For teaching BOOST (arXiv 2512.12131) §2-6: run exactly as training is launched (under torchrun for
 TP, PP or DP), with any model and layout options; one forward and backward of a tiny batch is run
-and recorded, printed, and the program exits: no training, no checkpoint, no out_dir.
-
-Everything printed is recorded from the run, never written from the formulas:
-  - a TorchDispatchMode sees every GEMM, attention, embedding and norm op with this rank's local
-    shapes; whether it runs in forward, backward or a recompute comes from the autograd engine
-    (`torch._C._current_autograd_node`, grad mode), its layer from the last parameter it touched;
-  - parallel.LEDGER's listener sees every collective, in order, with its group and size (under
-    --dp_shard FSDP2's all-gathers and reduce-scatters too: dp_shard.py records them);
-  - checkpointing.SavedBytes's pack hook sees what autograd keeps for backward;
-  - torch.utils.flop_counter's formulas count the FLOPs of those ops.
-Shapes are printed in the notation of layouts.py (b·s tokens, d, d/t, r, 3r+1, f/t, V/t, ...;
-notation.py names them). The comparison at the end runs the other layouts of the same width on the
-same TP group, a one-layer and a two-layer model each, so their difference is one layer's.
+and recorded (recorder.py: every op, collective, saved tensor and FLOP as the run does it; with
+--optimizer=muon the optimizer step's collectives too), printed, and the program exits: no
+training, no checkpoint, no out_dir. Shapes are printed in the notation of layouts.py (b·s tokens,
+d, d/t, r, 3r+1, f/t, V/t, ...; notation.py names them). The comparison at the end runs the other
+layouts of the same width on the same TP group, a one-layer and a two-layer model each, so their
+difference is one layer's.
 """
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
-import checkpointing
-import dp_shard
 import kernels
-from parallel import LEDGER
+import muon
+
 from plumbing import placement
 from plumbing.notation import Names
-
-ATTENTION = "scaled_dot_product"
-GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.")
-PREFER = {"btp": ("3r+1", "2r+1", "2r_m+1", "3r", "2r", "2r_m", "r", "r_m", "d"),
-          "megatron": ("d",),
-          "vanilla": ("d", "kv", "f")}   # the symbols of each layout's collectives
-# what each collective carries, by layout, phase and width per token (the numbers are recorded)
-CARRIES = {("btp", "fwd", "3r+1"): "q, k, v latents + the norm statistic (online RMSNorm)",
-           ("btp", "fwd", "2r+1"): "gate, up latents + the norm statistic",
-           ("btp", "fwd", "r"): "a partial latent",
-           ("btp", "bwd", "3r"): "gradient of the q, k, v latents",
-           ("btp", "bwd", "2r"): "gradient of the gate, up latents",
-           ("btp", "bwd", "r"): "gradient of a latent",
-           ("btp", "fwd", "d"): "the residual stream, gathered for the head",
-           ("megatron", "fwd", "d"): "partial sums of o or down (row-parallel)",
-           ("megatron", "bwd", "d"): "gradient of the normed input (column-parallel)",
-           ("vanilla", "fwd", "d"): "partial sums of a row-parallel B",
-           ("vanilla", "bwd", "d"): "gradient of an A's input",
-           ("vanilla", "fwd", "kv"): "partial sums of B_k or B_v",
-           ("vanilla", "fwd", "f"): "partial sums of B_gate or B_up",
-           ("vanilla", "bwd", "f"): "gradient of A_down's input",
-           ("btp", "bwd", "d"): "gradient of the head's input",
-           **{("vanilla", "bwd", w): "gradient of latents gathered for LaX's crossing"
-              for w in ("r", "2r", "3r")},
-           **{(lay, "fwd", "1"): "cross-entropy over the vocabulary shards: max, target logit, Σexp"
-              for lay in ("btp", "megatron", "vanilla")}}
-GATHERS = {"btp": "the residual stream, gathered for the head",   # (TP's all-gathers, by layout)
-           "vanilla": "a projection's latent, gathered from its r/t slices for the next layer's "
-                      "crossing (LaX)"}
-FSDP = {"all_gather": "a unit's parameters for the next ops, gathered over dp (FSDP2)",
-        "reduce_scatter": "its gradients, summed and cut over dp (FSDP2)"}
-
-
-class Recorder(TorchDispatchMode):
-    """The events of one step, in order: (phase, section, kind, text)."""
-
-    def __init__(self, model, names, layout):
-        super().__init__()
-        self.names, self.layout, self.events, self.pending = names, layout, [], []
-        self.section = "embedding"
-        specs = dict(model.named_specs())   # (a layouts.TPLlama: every run trains one)
-        self.model, self.labels, self.grads, self.flops = model, {}, {}, 0
-        first = int(model.layers[0].label.split()[-1])   # (a pipeline stage's first layer)
-        for full_name, p in model.named_parameters():
-            parts = full_name.split(".")
-            section = f"layer {int(parts[1]) + first}" if parts[0] == "layers" else \
-                ("embedding" if parts[0] == "tok_emb" else "head")
-            short = ".".join(parts[2:] if parts[0] == "layers" else parts).removesuffix(".weight")
-            symbols = names.local(specs[full_name], model.cfg)
-            self.labels[full_name] = (section, short, symbols, tuple(p.shape), p.stride())
-            # a weight gradient's shape -> symbols
-            self.grads.setdefault(tuple(p.shape), set()).add(symbols)
-        self.sharded = getattr(model, "dp_shard", "none") != "none"
-        self.index()
-
-    def index(self):
-        """{storage: label} of the parameters where they are now. Under --dp_shard FSDP2 puts a
-        unit's gathered parameters in place of its shards while it is gathered, in new memory each
-        time (often the memory the unit before it freed), so `param` reads them again at every
-        op."""
-        self.params = {p.untyped_storage().data_ptr(): self.labels[n]
-                       for n, p in self.model.named_parameters()
-                       if not dp_shard.is_sharded(p)}
-
-    @staticmethod
-    def phase():
-        if torch._C._current_autograd_node() is None:
-            return "fwd"
-        return "recompute" if torch.is_grad_enabled() else "bwd"
-
-    def param(self, t):
-        if not isinstance(t, torch.Tensor) or dp_shard.is_sharded(t):
-            return None
-        if self.sharded:
-            self.index()
-        return self.params.get(t.untyped_storage().data_ptr())
-
-    def symbols(self, t):
-        """(label, symbolic shape) of a parameter operand as it is used (transposed: Wᵀ); else
-        None."""
-        p = self.param(t)
-        if p and tuple(t.shape) == p[3] and t.stride() == p[4]:
-            return p[1], p[2]
-        if p and t.dim() == 2 and tuple(t.shape) == p[3][::-1] and t.stride() == p[4][::-1]:
-            return p[1] + "ᵀ", p[2][::-1]
-        return None
-
-    def gemm(self, a, b, out):
-        """`x (b·s, d/t) @ A_qkvᵀ (d/t, 3r) -> (b·s, 3r)`: a parameter operand names its dimensions,
-        and the other operand's and the output's that it shares."""
-        size = self.names.size
-        if a.dim() != 2 or b.dim() != 2:
-            shape = self.names.shape
-            return f"{shape(a.shape)} @ {shape(b.shape)} -> {shape(out.shape)}"
-        pa, pb = self.symbols(a), self.symbols(b)
-        grad = self.grads.get(tuple(out.shape), ())
-        if not (pa or pb) and len(grad) == 1:  # a weight gradient, dyᵀ·x: its weight's symbols
-            (m, n), = grad
-            return (f"({m}, {size(a.shape[1])}) @ ({size(b.shape[0])}, {n}) -> weight gradient "
-                    f"({m}, {n})")
-        sa = pa[1] if pa else (size(a.shape[0]), pb[1][0] if pb else size(a.shape[1]))
-        sb = pb[1] if pb else (sa[1], size(b.shape[1]))
-        label = lambda p: p[0] + " " if p else ""
-        return f"{label(pa)}({', '.join(sa)}) @ {label(pb)}({', '.join(sb)}) -> ({sa[0]}, {sb[1]})"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if func._overloadpacket in flop_registry:
-            self.flops += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
-        touched = self.touched = [self.param(a) for a in args if self.param(a)]
-        if touched:  # ops between two parameters' belong to the layer of the next one (see add)
-            self.section = touched[0][0]
-            for event in self.pending:
-                event[1] = self.section
-            self.pending = []
-        shape = self.names.shape
-        if name.startswith(GEMMS):
-            self.add("GEMM", self.gemm(args[-2], args[-1], out))
-        elif ATTENTION in name:
-            positions = lambda t: "(" + ", ".join(self.names.size(n, prefer) for n, prefer in
-                                                  zip(t.shape,
-                                                      [("b",), ("heads/t", "kv_heads/t", "heads"),
-                                                       ("s",), ("hd",)])) + ")"
-            self.add("attention", f"q {positions(args[0])}, k and v {positions(args[1])}"
-                     + (" (backward)" if "backward" in name else ""))
-        elif name.startswith("aten.embedding."):
-            label, sym = self.symbols(args[0]) or ("", ())
-            self.add("embedding", f"{label} ({', '.join(sym)}) rows of {shape(args[1].shape)} -> "
-                     f"{shape(out.shape, ('b', 's') + sym[1:])}")
-        elif name.startswith("aten.rsqrt.") and self.phase() != "bwd":
-            self.add("norm", f"1/rms {shape(out.shape, ('b', 's'))}")
-        elif name.startswith("aten.pow.Tensor_Scalar") and args[1] == 2 and self.phase() != "bwd":
-            self.add("norm", f"x² {shape(args[0].shape, ('b', 's', 'd', 'd/t'))}")
-        return out
-
-    def add(self, kind, text):
-        """An event; when its op touched no parameter, its section is that of the next op that
-        does."""
-        self.events.append([self.phase(), self.section, kind, text])
-        if not self.touched:
-            self.pending.append(self.events[-1])
-
-    def collective(self, op, group, phase, tensor, tokens):
-        fsdp = op in FSDP and group == "dp"   # (FSDP2's collectives run over dp, TP's over tp)
-        per_token = tensor.numel() % tokens == 0 and phase != "grad" and not fsdp
-        gather = op == "all_gather" and not fsdp
-        prefer = ("d/t", "d") if op == "send" else PREFER["btp" if gather else self.layout] \
-            if self.layout in PREFER else ()
-        width = self.names.size(tensor.numel() // tokens, prefer) if per_token else "-"
-        carries = "the residual stream to the next stage" if op == "send" and phase == "fwd" else \
-            "its gradient back to the previous stage" if op == "send" else FSDP[op] if fsdp else \
-            GATHERS.get(self.layout, "") if gather else \
-            next((CARRIES[(self.layout, phase, w)] for w in width.split("=")
-                  if (self.layout, phase, w) in CARRIES), "")
-        text = (f"{group}: " + (f"{width} per token = " if per_token else "")
-                + f"{tensor.numel():,} elements"
-                + (f"  [{carries}]" if carries else ""))
-        if self.phase() == "recompute" and phase == "fwd":
-            phase = "recompute"
-        # a collective belongs to the op before it (the partial sums it reduces), BTP's gather of
-        # the residual stream to the head after it
-        self.events.append([phase, "stage boundary" if op == "send" else self.section, op, text])
-        if op == "all_gather":
-            self.pending.append(self.events[-1])
-
-
-def run_step(model, x, y, pipe=None, ddp=None):
-    """One forward and backward as training runs it; the loss."""
-    if pipe is not None:
-        return pipe.run(x, y).item()
-    loss = (ddp or model)(x, y)[1]
-    loss.backward()
-    return loss.item()
-
-
-def record(model, x, y, names, layout, pipe=None, ddp=None):
-    """Run one step under the recorder; (events, ledger counts, saved bytes by section, FLOPs)."""
-    recorder = Recorder(model, names, layout)
-    tokens = x.numel() // (pipe.n_micro if pipe else 1)
-    LEDGER.reset()
-    LEDGER.listener = lambda op, group, phase, t: recorder.collective(op, group, phase, t, tokens)
-    saved = SectionBytes(model, recorder)
-    try:
-        # (the fused kernels compute what the references do)
-        with saved, recorder, kernels.reference():
-            run_step(model, x, y, pipe, ddp)
-    finally:
-        LEDGER.listener = None
-    model.zero_grad(set_to_none=True)
-    return recorder.events, dict(LEDGER.counts), saved, recorder.flops
-
-
-class SectionBytes(checkpointing.SavedBytes):
-    """The meter of the tests, also noting the layer each saved tensor belongs to."""
-
-    def __init__(self, module, recorder):
-        super().__init__(module)
-        self.recorder, self.by_section = recorder, {}
-
-    def pack(self, t):
-        # a parameter (under --dp_shard, as FSDP2 gathered it)
-        if self.recorder.param(t) is not None:
-            return t
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.params and storage.data_ptr() not in self.storages:
-            section = self.recorder.section
-            self.by_section.setdefault(section, []).append((tuple(t.shape), storage.nbytes()))
-        return super().pack(t)
+from plumbing.recorder import record
 
 
 def layer_view(events):
@@ -255,12 +37,23 @@ def layer_view(events):
                 continue
             first_layer.setdefault(key, ([section.split()[1]], body))
         lines.append(f"  {phase} · {section}")
-        lines += [f"    {line}" for line in body]
+        lines += [f"    {line}" for line in repeats(body)]
     for (phase, _), (same, _) in first_layer.items():
         if len(same) > 1:
             lines.append(f"  {phase} · layers {same[0]}..{same[-1]}: the same ops, shapes and "
                          f"collectives each")
     return lines
+
+
+def repeats(body):
+    """Runs of equal lines as one, `(× n)` after it (Muon's gathers, one a matrix)."""
+    out = []
+    for line in body:
+        if out and out[-1][0] == line:
+            out[-1][1] += 1
+        else:
+            out.append([line, 1])
+    return [line + (f"  (× {n})" if n > 1 else "") for line, n in out]
 
 
 def totals(counts, saved, flops, tokens, names):
@@ -356,8 +149,9 @@ def main(plan, place):
     if pipe:   # its first run infers the shapes between stages with an extra forward: not recorded
         pipe.run(x, x)
         model.zero_grad(set_to_none=True)
+    optimizer = muon.configure(model, tc) if tc.optimizer == "muon" else None  # (AdamW: no comm)
     events, counts, saved, flops = record(model, x, x, names, layout if tc.tp > 1 else "one device",
-                                          pipe, ddp)
+                                          pipe, ddp, optimizer)
     view, sums = layer_view(events), totals(counts, saved, flops, b * s, names)
     views = [None] * world
     if world > 1:

@@ -90,6 +90,3 @@ def check_dp_shard(tc, dp):
     if tc.compile:  # (FSDP2 under torch.compile wants per-layer compilation: not built, not tested)
         raise ValueError(f"dp_shard={tc.dp_shard} does not compose with compile=true yet; "
                          f"dp_shard=none does")
-    if tc.optimizer == "muon":   # (each dp shard's update would be gathered: not built yet)
-        raise ValueError(f"dp_shard={tc.dp_shard} does not compose with optimizer=muon yet; "
-                         f"dp_shard=none does")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from checkpointing import SavedBytes
+import muon
 from layouts import per_layer_traffic
 from model import Llama
 from plumbing import options
@@ -30,7 +31,7 @@ def parse(out):
         if re.match(r"^  \S", line):
             current = line.strip()
             sections.setdefault(current, [])
-        elif current and re.match(r"^    all_reduce +tp:", line):
+        elif current and re.match(r"^    all_reduce +tp:", line) and not current.startswith("optim"):
             sections[current].append(int(re.search(r"= ([\d,]+) elements", line).group(1).replace(",", "")))
     table = {m[0]: (float(m[2].replace(",", "")), float(m[3].replace(",", "")))
              for m in re.findall(r"^  (btp|vanilla|megatron) +(\w+) +([\d,.]+) +([\d,.]+)", out, re.M)}
@@ -64,10 +65,14 @@ def test_explain_one_device(tmp_path, recompute):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, layout", CASES)
 def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch, layout):
-    out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--layout={layout}")
+    """The step's collectives per layer equal layouts.py's formulas, and with --optimizer=muon the
+    optimizer step's (phase optim) muon.py's; the TP bytes per token those of a training step."""
+    out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--layout={layout}", "--optimizer=muon")
     tokens, totals, saved, sections, table = parse(out)
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
     fwd, bwd, _ = per_layer_traffic(layout, cfg)
+    optim = sum(e for (g, _, phase), (_, e) in totals.items() if (g, phase) == ("tp", "optim"))
+    assert optim == cfg.n_layer * muon.per_layer_traffic(layout, cfg, 2) > 0 and "optim · optimizer step" in out
     # the first layer of each direction is printed in full (backward starts at the last layer)
     assert sum(sections["fwd · layer 0"]) == fwd * tokens and sum(sections["bwd · layer 1"]) == bwd * tokens
     assert table[layout] == (fwd, bwd)    # the side-by-side table: every layout against its formula
@@ -75,15 +80,16 @@ def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch,
         other_cfg, _ = options.parse_args([*TINY, f"--arch={'full' if other == 'megatron' else arch if arch != 'full' else 'cola'}"])
         assert table[other] == per_layer_traffic(other, other_cfg)[:2], (other, table)
     assert "rank 1 (dp 0, pp 0, tp 1): the same ops" in out
-    listed = re.findall(r"^    (?:all_gather|all_reduce|reduce_scatter) +tp: .*$", out, re.M)
-    assert listed and all(line.endswith("]") and "FSDP" not in line for line in listed), listed
+    listed = re.findall(r"^    (?:all_gather|all_reduce|reduce_scatter) +tp: .*?(?:  \(× \d+\))?$", out, re.M)
+    assert listed and all(re.sub(r"  \(× \d+\)$", "", line).endswith("]") and "FSDP" not in line
+                          for line in listed), listed
     if layout == "vanilla":
         return   # (the training step's comparison for btp and megatron keeps the suite short)
     # a real training step: the same TP bytes per token on rank 0
     torchrun(2, f"--out_dir={tmp_path / 'train'}", f"--data_dir={data_dir}", *TINY, f"--arch={arch}", "--tp=2",
              f"--layout={layout}", "--max_iters=1", "--eval_interval=100")
     step = metrics(tmp_path / "train")[0]
-    explained = sum(e for (g, _, _), (_, e) in totals.items() if g == "tp") * 4   # fp32
+    explained = sum(e for (g, _, ph), (_, e) in totals.items() if g == "tp" and ph != "optim") * 4   # fp32
     assert explained / tokens == step["tp_bytes"] / (4 * 32), (explained, step["tp_bytes"])
 
 
@@ -92,22 +98,22 @@ def test_every_collective_is_labelled_with_its_real_role(layout):
     """An all-gather over tp is TP's (BTP's residual for the head, vanilla's LaX latents), never
     FSDP2's; over dp under --dp_shard it is FSDP2's; vanilla's LaX gradients are named too."""
     import types
-    from plumbing import explain
+    from plumbing import recorder
     from plumbing.notation import Names
     cfg, _ = options.parse_args([*TINY, "--arch=" + ("full" if layout == "megatron" else "cola")])
     rec = types.SimpleNamespace(layout=layout, names=Names(cfg, 2, 4, 32), events=[], pending=[], section="x",
                                 phase=lambda: "fwd")
     d, r = cfg.n_embd, cfg.attn_rank
-    explain.Recorder.collective(rec, "all_gather", "tp", "fwd", torch.zeros(128 * (d if layout != "vanilla"
+    recorder.Recorder.collective(rec, "all_gather", "tp", "fwd", torch.zeros(128 * (d if layout != "vanilla"
                                                                                      else r)), 128)
-    explain.Recorder.collective(rec, "all_gather", "dp", "grad", torch.zeros(1000), 128)
-    explain.Recorder.collective(rec, "reduce_scatter", "dp", "grad", torch.zeros(1000), 128)
+    recorder.Recorder.collective(rec, "all_gather", "dp", "grad", torch.zeros(1000), 128)
+    recorder.Recorder.collective(rec, "reduce_scatter", "dp", "grad", torch.zeros(1000), 128)
     tp, gather, scatter = (e[3] for e in rec.events)
-    assert "FSDP" not in tp and tp.endswith(f"[{explain.GATHERS.get(layout, '')}]" if layout in
-                                            explain.GATHERS else "elements"), tp
+    assert "FSDP" not in tp and tp.endswith(f"[{recorder.GATHERS.get(layout, '')}]" if layout in
+                                            recorder.GATHERS else "elements"), tp
     assert "gathered over dp (FSDP2)" in gather and "cut over dp (FSDP2)" in scatter
     if layout == "vanilla":
-        explain.Recorder.collective(rec, "all_reduce", "tp", "bwd", torch.zeros(128 * r), 128)
+        recorder.Recorder.collective(rec, "all_reduce", "tp", "bwd", torch.zeros(128 * r), 128)
         assert rec.events[-1][3].endswith("[gradient of latents gathered for LaX's crossing]"), rec.events[-1]
 
 

@@ -4,12 +4,14 @@ the gather path, at tp=2 and tp=4 and dp2 × tp2; its collectives in the ledger 
 the formula; train.py with --optimizer=muon at tp=2 and pp=2 as one process, and resumed exactly.
 """
 import copy
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import dp_shard
 import layouts
 import muon
 import parallel
@@ -68,21 +70,24 @@ def small(arch, lax=False, kv=2):
 
 
 def _worker(tp_rank, world, meshes):
-    for dp, tp in meshes:
+    for dp, tp, shard in meshes:
         mesh = placement.init_mesh(dp, tp, "cpu", 120)
         handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp)
-        parallel.LEDGER.name(mesh.get_group("tp"), "tp")
+        for name in ("dp", "tp"):
+            parallel.LEDGER.name(mesh.get_group(name), name)
         dp_rank = mesh.get_local_rank("dp")
         for arch, layout, prefer in [("cola", "btp", "gram"), ("cola", "btp", "gather"), ("svd", "vanilla", None),
                                      ("full", "megatron", None)]:
-            where = f"{arch}/{layout}/{prefer} dp={dp} tp={tp}"
+            where = f"{arch}/{layout}/{prefer} dp={dp} tp={tp} dp_shard={shard}"
             torch.manual_seed(0)
             ref = Llama(small(arch, lax=arch != "full", kv=max(2, tp)))
             tp_model = layouts.TPLlama(copy.deepcopy(ref), handle, layout)
-            model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
+            if shard != "none":
+                dp_shard.apply(tp_model, mesh["dp"], shard, "float32", parallel.LEDGER)
+            model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 and shard == "none" else tp_model
             opt_ref, opt = muon.configure(ref, tc_of()), muon.configure(tp_model, tc_of(), prefer)
             modes = {pc.mode for g in opt.param_groups if g.get("muon") for pcs in g["pieces"].values() for pc in pcs}
-            assert modes == {"gram" if prefer == "gram" else "gather"}, (where, modes)
+            assert modes == {"whole" if tp == 1 else "gram" if prefer == "gram" else "gather"}, (where, modes)
             for step in range(3):
                 idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
                 share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
@@ -98,20 +103,25 @@ def _worker(tp_rank, world, meshes):
                 dist.all_reduce(mean, group=mesh.get_group("dp"))
                 torch.testing.assert_close(mean / dp, loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
                 assert parallel.LEDGER.total("tp", "optim") == muon.traffic(opt), where
-            full = tp_model.full_tensors()
+                layer = muon.per_layer_traffic(layout, ref.cfg, tp, prefer)   # (the closed form)
+                assert muon.traffic(opt) == ref.cfg.n_layer * layer and (layer > 0) == (tp > 1), where
+                assert parallel.LEDGER.total("dp", "optim") == muon.traffic(opt, "dp"), where
+                assert (muon.traffic(opt, "dp") > 0) == (shard != "none"), where   # (gathered over dp)
+            full = tp_model.gather_full({n: dp_shard.whole(p.detach()) for n, p in tp_model.named_parameters()})
             for name, p in ref.named_parameters():
                 torch.testing.assert_close(full[name], p.detach(), rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"{where} {name}: {m}")
         dist.barrier()
 
 
-def test_muon_tp2_every_layout_equals_one_device():
-    spawn(2, _worker, [(1, 2)])
+def test_muon_tp2_and_dp_shard_every_layout_equals_one_device():
+    """tp=2 (DDP off), and dp=2 under --dp_shard=grad (the update gathered over dp)."""
+    spawn(2, _worker, [(1, 2, "none"), (2, 1, "grad")])
 
 
 @pytest.mark.slow
-def test_muon_tp4_and_dp2_tp2_equal_one_device():
-    spawn(4, _worker, [(1, 4), (2, 2)], timeout=600)
+def test_muon_tp4_dp2_tp2_and_dp_shard_tp2_equal_one_device():
+    spawn(4, _worker, [(1, 4, "none"), (2, 2, "none"), (2, 2, "full")], timeout=600)
 
 
 def test_traffic_formula_counts_gram_and_gather():
@@ -128,18 +138,26 @@ def test_traffic_formula_counts_gram_and_gather():
 
 
 @pytest.mark.slow
-def test_train_py_muon_tp2_and_pp2_equal_one_process_and_resume(tmp_path, data_dir):
-    """--optimizer=muon through train.py: tp=2 (btp) and pp=2 reproduce one process's losses; a run
-    resumed from its checkpoint continues exactly (the momentum buffers saved and loaded)."""
+def test_train_py_muon_layouts_and_dp_shard_equal_one_process_and_resume(tmp_path, data_dir):
+    """--optimizer=muon through train.py: tp=2 (btp), pp2 × tp2 and dp=2 under --dp_shard=full
+    reproduce one process's losses; a run resumed from its checkpoint continues exactly (the
+    momentum buffers saved and loaded), and across settings: saved from dp shards and resumed in
+    one process, saved by one process and resumed into dp shards."""
     common = [f"--data_dir={data_dir}", *TINY, "--optimizer=muon", "--max_iters=6", "--eval_interval=3",
               "--lr_decay_iters=6"]
-    one = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
-    for name, extra in (("tp2", ["--tp=2"]), ("pp2", ["--pp=2", "--gradient_accumulation_steps=2",
-                                                      "--batch_size=2"])):
-        torchrun(2, f"--out_dir={tmp_path / name}", *common, *extra)   # (pp2: the same 4 sequences a step)
-        torch.testing.assert_close(torch.tensor(losses(metrics(tmp_path / name))), torch.tensor(one),
-                                   rtol=1e-5, atol=1e-6)
-    run_train(tmp_path / "half", data_dir, *common[1:], "--max_iters=3")
-    resumed = losses(run_train(tmp_path / "half", data_dir, *common[1:], "--init_from=resume"))
-    straight = losses(run_train(tmp_path / "straight", data_dir, *common[1:]))
-    assert resumed == straight, (resumed, straight)
+    split = ["--gradient_accumulation_steps=2", "--batch_size=2"]   # (the same 4 sequences a step)
+    one = losses(run_train(tmp_path / "one", data_dir, *common[1:], *split))
+    close = lambda got, want, where: torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5,
+                                                               atol=1e-6, msg=lambda m: f"{where}: {m}")
+    for name, nproc, extra in (("tp2", 2, ["--tp=2"]), ("pp2tp2", 4, ["--pp=2", "--tp=2", *split]),
+                               ("shard", 2, ["--dp_shard=full", "--max_iters=3", *split])):
+        torchrun(nproc, f"--out_dir={tmp_path / name}", *common, *extra)
+        close(losses(metrics(tmp_path / name)), one[:len(losses(metrics(tmp_path / name)))], name)
+    close(losses(run_train(tmp_path / "shard", data_dir, *common[1:], *split, "--init_from=resume")), one,
+          "saved from dp shards, resumed in one process")
+    run_train(tmp_path / "half", data_dir, *common[1:], *split, "--max_iters=3")
+    shutil.copytree(tmp_path / "half" / "checkpoints", tmp_path / "into-shards" / "checkpoints")
+    torchrun(2, f"--out_dir={tmp_path / 'into-shards'}", *common, "--dp_shard=full", *split, "--init_from=resume")
+    close(losses(metrics(tmp_path / "into-shards")), one[3:], "saved by one process, resumed into dp shards")
+    resumed = losses(run_train(tmp_path / "half", data_dir, *common[1:], *split, "--init_from=resume"))
+    assert resumed == one, (resumed, one)

@@ -39,7 +39,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
             totals.append([parallel.LEDGER.total("tp", phase) for phase in ("fwd", "bwd")])
-            totals[-1] += optimizer_traffic(model, layout)
+            totals[-1] += optimizer_traffic(model, layout, cfg, world)
         measured = [(totals[1][i] - totals[0][i]) / (b * s) for i in range(2)]
         formula = list(layouts.per_layer_traffic(layout, cfg)[:2])
         out[layout + (" lax" if lax else "")] = {"measured": measured, "formula": formula,
@@ -51,9 +51,10 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
 
 
 
-def optimizer_traffic(model, layout):
+def optimizer_traffic(model, layout, cfg, t):
     """Muon's step (muon.py) on the gradients the model holds: the ledger's "optim" elements and
-    muon.traffic's count, with the Gram path (btp only; else 0) and with the gather path."""
+    the model's count by muon.per_layer_traffic's formula, with the Gram path (btp only; else 0)
+    and with the gather path."""
     import muon
     import parallel
     from plumbing import options
@@ -66,7 +67,8 @@ def optimizer_traffic(model, layout):
         opt = muon.configure(model, tc, prefer)
         parallel.LEDGER.reset()
         opt.step()
-        out += [parallel.LEDGER.total("tp", "optim"), muon.traffic(opt)]
+        out += [parallel.LEDGER.total("tp", "optim"),
+                cfg.n_layer * muon.per_layer_traffic(layout, cfg, t, prefer)]
     return out
 
 
