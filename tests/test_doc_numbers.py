@@ -142,3 +142,10 @@ def test_muon_md_counts_are_the_codes():
     mats = muon.muon_params(model)
     text = " ".join((ROOT / "docs" / "muon.md").read_text().split())
     assert f"{len(mats)} factors ({sum(p.numel() for p in mats):,} of the model's {model.num_params():,} parameters)" in text
+    # the per-layer traffic table: muon.per_layer_traffic at tp=2, by the Gram path and the gather
+    table = {r[0].split()[0]: r[1:] for r in rows("docs/muon.md", "| layout | Gram path")}
+    for layout in ("megatron", "vanilla", "btp"):
+        c, _ = options.parse_args(["--arch=full"] if layout == "megatron" else [])
+        want = [f"{muon.per_layer_traffic(layout, c, 2, prefer):,}" if layout == "btp" or prefer == "gather"
+                else "-" for prefer in ("gram", "gather")]
+        assert table[layout] == want, (layout, table[layout], want)

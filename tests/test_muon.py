@@ -137,6 +137,15 @@ def test_traffic_formula_counts_gram_and_gather():
     assert muon.traffic(opt) == 3 * 8 * 32
 
 
+def saved(path):
+    """A checkpoint's tensors under their single-device names (DCP's own converter)."""
+    import tempfile
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, f"{tmp}/whole.pt")
+        return torch.load(f"{tmp}/whole.pt", weights_only=True)
+
+
 @pytest.mark.slow
 def test_train_py_muon_layouts_and_dp_shard_equal_one_process_and_resume(tmp_path, data_dir):
     """--optimizer=muon through train.py: tp=2 (btp), pp2 × tp2 and dp=2 under --dp_shard=full
@@ -153,6 +162,11 @@ def test_train_py_muon_layouts_and_dp_shard_equal_one_process_and_resume(tmp_pat
                                ("shard", 2, ["--dp_shard=full", "--max_iters=3", *split])):
         torchrun(nproc, f"--out_dir={tmp_path / name}", *common, *extra)
         close(losses(metrics(tmp_path / name)), one[:len(losses(metrics(tmp_path / name)))], name)
+        last = sorted((tmp_path / name / "checkpoints").iterdir())[-1].name   # every parameter, as saved
+        mine, want = saved(tmp_path / name / "checkpoints" / last), saved(tmp_path / "one" / "checkpoints" / last)
+        assert mine.keys() == want.keys() and any(k.startswith("optim.momentum_buffer.") for k in mine)
+        for key in (k for k in want if k.startswith("model.")):
+            torch.testing.assert_close(mine[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
     close(losses(run_train(tmp_path / "shard", data_dir, *common[1:], *split, "--init_from=resume")), one,
           "saved from dp shards, resumed in one process")
     run_train(tmp_path / "half", data_dir, *common[1:], *split, "--max_iters=3")
