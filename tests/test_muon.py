@@ -147,31 +147,32 @@ def saved(path):
 
 
 @pytest.mark.slow
-def test_train_py_muon_layouts_and_dp_shard_equal_one_process_and_resume(tmp_path, data_dir):
-    """--optimizer=muon through train.py: tp=2 (btp), pp2 × tp2 and dp=2 under --dp_shard=full
-    reproduce one process's losses; a run resumed from its checkpoint continues exactly (the
-    momentum buffers saved and loaded), and across settings: saved from dp shards and resumed in
-    one process, saved by one process and resumed into dp shards."""
+def test_train_py_muon_dp_shard_and_pp2_tp2_equal_one_process_and_resume(tmp_path, data_dir):
+    """--optimizer=muon through train.py equals one process: 3 steps at dp=2 under --dp_shard=full,
+    resumed from its dp shards at pp2 × tp2 (btp) for 3 more; one process's checkpoint resumed into
+    dp shards; every parameter after 6 steps as one process's; and one process resumed exactly (the
+    momentum buffers saved and loaded, resharded each time)."""
     common = [f"--data_dir={data_dir}", *TINY, "--optimizer=muon", "--max_iters=6", "--eval_interval=3",
-              "--lr_decay_iters=6"]
-    split = ["--gradient_accumulation_steps=2", "--batch_size=2"]   # (the same 4 sequences a step)
-    one = losses(run_train(tmp_path / "one", data_dir, *common[1:], *split))
-    close = lambda got, want, where: torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5,
-                                                               atol=1e-6, msg=lambda m: f"{where}: {m}")
-    for name, nproc, extra in (("tp2", 2, ["--tp=2"]), ("pp2tp2", 4, ["--pp=2", "--tp=2", *split]),
-                               ("shard", 2, ["--dp_shard=full", "--max_iters=3", *split])):
-        torchrun(nproc, f"--out_dir={tmp_path / name}", *common, *extra)
-        close(losses(metrics(tmp_path / name)), one[:len(losses(metrics(tmp_path / name)))], name)
-        last = sorted((tmp_path / name / "checkpoints").iterdir())[-1].name   # every parameter, as saved
-        mine, want = saved(tmp_path / name / "checkpoints" / last), saved(tmp_path / "one" / "checkpoints" / last)
-        assert mine.keys() == want.keys() and any(k.startswith("optim.momentum_buffer.") for k in mine)
-        for key in (k for k in want if k.startswith("model.")):
-            torch.testing.assert_close(mine[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
-    close(losses(run_train(tmp_path / "shard", data_dir, *common[1:], *split, "--init_from=resume")), one,
-          "saved from dp shards, resumed in one process")
-    run_train(tmp_path / "half", data_dir, *common[1:], *split, "--max_iters=3")
-    shutil.copytree(tmp_path / "half" / "checkpoints", tmp_path / "into-shards" / "checkpoints")
-    torchrun(2, f"--out_dir={tmp_path / 'into-shards'}", *common, "--dp_shard=full", *split, "--init_from=resume")
-    close(losses(metrics(tmp_path / "into-shards")), one[3:], "saved by one process, resumed into dp shards")
-    resumed = losses(run_train(tmp_path / "half", data_dir, *common[1:], *split, "--init_from=resume"))
+              "--lr_decay_iters=6", "--gradient_accumulation_steps=2", "--batch_size=2"]
+    one = losses(run_train(tmp_path / "one", data_dir, *common[1:]))
+    run_train(tmp_path / "half", data_dir, *common[1:], "--max_iters=3")
+
+    def check(name, want, params=True):
+        torch.testing.assert_close(torch.tensor(losses(metrics(tmp_path / name))), torch.tensor(want), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{name}: {m}")
+        if not params:
+            return
+        mine, ref = (saved(tmp_path / n / "checkpoints" / "iter_0000006") for n in (name, "one"))
+        assert mine.keys() == ref.keys() and any(k.startswith("optim.momentum_buffer.") for k in mine)
+        for key in (k for k in ref if k.startswith("model.")):
+            torch.testing.assert_close(mine[key], ref[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+
+    torchrun(2, f"--out_dir={tmp_path / 'shard'}", *common, "--dp_shard=full", "--max_iters=3")
+    check("shard", one[:3], params=False)
+    for name, nproc, source, extra in (("pp2tp2", 4, "shard", ["--pp=2", "--tp=2"]),
+                                       ("into-shards", 2, "half", ["--dp_shard=full"])):
+        shutil.copytree(tmp_path / source / "checkpoints", tmp_path / name / "checkpoints")
+        torchrun(nproc, f"--out_dir={tmp_path / name}", *common, *extra, "--init_from=resume")
+        check(name, one[3:])
+    resumed = losses(run_train(tmp_path / "half", data_dir, *common[1:], "--init_from=resume"))
     assert resumed == one, (resumed, one)
