@@ -51,6 +51,22 @@ def test_plot_draws_real_runs(tmp_path, data_dir):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_plot_at_equal_wall_time(tmp_path):
+    """--ms_per_iter: each run's losses against iterations × its figure (the val loss before step
+    `it`, the train loss after it + 1 iterations), drawn; a wrong count or a non-number is one line."""
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "a", [{"event": "start", "tokens_per_iter": 8},
+                               {"iter": 0, "loss": 2.5, "val_loss": 3.0, "tokens_per_s": 1.0}, {"iter": 1, "loss": 2.0}])
+    timed = plot.with_seconds(plot.read_run(tmp_path / "a"), 250.0)
+    assert timed["train"] == [(0, 0.25, 2.5), (1, 0.5, 2.0)] and timed["val"] == [(0, 0.0, 3.0)]
+    code, err = command(plot.main, tmp_path / "a", tmp_path / "a", "-o", tmp_path / "t.png", "--ms_per_iter=250,100")
+    assert code == 0 and (tmp_path / "t.png").stat().st_size > 10_000, err
+    for bad in ("250", "250,x", "250,-1"):
+        code, err = command(plot.main, tmp_path / "a", tmp_path / "a", "-o", tmp_path / "u.png", f"--ms_per_iter={bad}")
+        assert code == 2 and err.startswith("error: --ms_per_iter") and "\n" not in err, err
+    assert not (tmp_path / "u.png").exists()
+
+
 def test_plot_refuses_bad_input_in_one_line(tmp_path):
     write_log(tmp_path / "a", [{"event": "start"}, {"iter": 0, "loss": 1.0, "tokens_per_s": 1.0}])
     (tmp_path / "notes.txt").write_text("mine")

@@ -5,10 +5,14 @@ dense at equal steps, the layouts' losses lying on one another, their step times
 here.
 
     python tools/plot.py OUT_DIR [OUT_DIR ...] -o FILE.png [--labels=a,b] [--title=TEXT] [--diff]
+                         [--ms_per_iter=A,B]
 
 Three panels: train loss (solid) and val loss (dots, dashed) against iterations; the same against
 tokens trained, or with --diff each run's |train loss - the first run's| on a log axis (runs that
-should be equal show how equal); the median tokens/s of each run (its first tenth left out). Each
+should be equal show how equal); the median tokens/s of each run (its first tenth left out). With
+--ms_per_iter (one figure per run, timed apart on an idle machine: runs that shared a machine time
+nothing) the middle panel is the loss against wall time (iterations × that figure), runs compared
+at equal time, and the third panel those figures. Each
 run is drawn narrower than the one before, so runs whose losses are equal (the layouts of one
 model) show as nested bands. -o names a .png, .svg or .pdf, replaced if it exists (no other file is
 written). Each OUT_DIR is a train.py out_dir; its label is the folder's name unless --labels names
@@ -70,6 +74,14 @@ def read_run(out_dir):
     return run
 
 
+def with_seconds(run, ms):
+    """read_run's run with its tokens column replaced by the wall time in seconds at `ms` per
+    iteration (the loss of step `it` after it + 1 iterations, the val loss before step `it`)."""
+    return {"train": [(it, (it + 1) * ms / 1000, loss) for it, _, loss in run["train"]],
+            "val": [(it, it * ms / 1000, loss) for it, _, loss in run["val"]],
+            "speed": run["speed"], "ms": ms}
+
+
 def pyplot(tool="tools/plot.py"):
     """matplotlib's pyplot drawing into files only (no display), or a one-line ValueError."""
     from plumbing.tokenizer import need
@@ -112,12 +124,14 @@ def draw(runs, labels, out, title=None, diff=False):
             axes[1].plot([g[0] for g in gaps], [max(g[1], 1e-9) for g in gaps], color=color, lw=1,
                          label=f"{label} vs {labels[0]}")
         speeds = [p[1] for p in run["speed"]][len(run["speed"]) // 10:]
-        if speeds:
-            axes[2].bar(k, statistics.median(speeds), color=color)
+        if "ms" in run or speeds:
+            axes[2].bar(k, run["ms"] if "ms" in run else statistics.median(speeds), color=color)
+    timed = "ms" in runs[0]
     panel2 = ("iteration", f"|train loss - {labels[0]}'s| (1e-9: equal)") if diff else \
-        ("tokens trained", "loss")
+        ("seconds (iterations × ms per iteration)" if timed else "tokens trained", "loss")
     for ax, xlabel, ylabel in zip(axes, ("iteration", panel2[0], "run"),
-                                  ("loss", panel2[1], "median tokens/s")):
+                                  ("loss", panel2[1], "ms per iteration, timed apart" if timed
+                                   else "median tokens/s")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -133,6 +147,19 @@ def draw(runs, labels, out, title=None, diff=False):
     plt.close(fig)
 
 
+def ms_list(parser, text, n):
+    """--ms_per_iter's figures (None when not given): n positive numbers, or a one-line error."""
+    if text is None:
+        return None
+    try:
+        ms = [float(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"--ms_per_iter={text}: give numbers, one per OUT_DIR")
+    if len(ms) != n or not all(0 < m < float("inf") for m in ms):
+        parser.error(f"--ms_per_iter={text}: give {n} positive numbers, one per OUT_DIR")
+    return ms
+
+
 def main(argv):
     parser = data.CommandParser(prog="tools/plot.py",
                                 description="Draw train.py runs side by side.")
@@ -144,7 +171,10 @@ def main(argv):
     parser.add_argument("--title")
     parser.add_argument("--diff", action="store_true",
                         help="the middle panel: each run's loss minus the first's")
+    parser.add_argument("--ms_per_iter", help="comma-separated, one per OUT_DIR: each run's time "
+                        "per iteration, measured apart; the middle panel against wall time")
     args = parser.parse_args(argv)
+    ms = ms_list(parser, args.ms_per_iter, len(args.out_dirs))
     labels = args.labels.split(",") if args.labels else [Path(d).resolve().name
                                                          for d in args.out_dirs]
     if len(labels) != len(args.out_dirs):
@@ -152,6 +182,7 @@ def main(argv):
     check_output(parser, args.output)
     try:
         runs = [read_run(d) for d in args.out_dirs]
+        runs = [with_seconds(run, m) for run, m in zip(runs, ms)] if ms else runs
         draw(runs, labels, args.output, args.title, args.diff)
     except ValueError as e:
         parser.error(str(e))
