@@ -49,6 +49,9 @@ def test_bench_runs_end_to_end(tmp_path):
     res = bench_comm.measure(1, 2, cfg, 2, 1)   # the comm bench's worker: every layout, three ways
     assert set(res) >= {(f"{a}/{lay}", mode) for a, lay in bench_comm.CASES for mode in bench_comm.MODES}
     assert all(v > 0 for v in res.values())
+    import bench_optim   # (its train.py runs: bench_common.train_run, as dp_shard's)
+    alone = bench_optim.step_alone(tiny[:-2], 1)
+    assert set(alone) == set(bench_optim.CASES) and all(v > 0 for v in alone.values())
     assert not list(tmp_path.glob("*.json"))  # nothing in the current directory
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "-h"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "bench.py layouts" in res.stdout

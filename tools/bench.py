@@ -21,6 +21,8 @@
                                     # memory (bench_dp_shard.py)
     python tools/bench.py startup  # a rank's build: boost_1b measured (whole then cut vs the
                                    # meta device), the papers' 7B-30B predicted (bench_startup.py)
+    python tools/bench.py optim    # AdamW vs Muon, cola and full: ms per train.py iteration
+                                   # and of the optimizer step alone (bench_optim.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
                                    # Triton vs PyTorch, and a 1B-shaped training step per arch,
                                    # compile off/on (bench_gpu.py)
@@ -271,11 +273,11 @@ def bench_checkpoint(extra):
 
 
 BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
-           "dp_shard", "startup")
+           "dp_shard", "startup", "optim")
 
 
 def rounds_of(extra, default):
-    """--rounds=N of `data`, `dp_shard` and `startup` (a usage error unless N >= 1)."""
+    """--rounds=N of `data`, `dp_shard`, `startup` and `optim` (a usage error unless N >= 1)."""
     rounds = next((a.split("=", 1)[1] for a in extra if a.startswith("--rounds=")), str(default))
     if not rounds.isdigit() or int(rounds) < 1:
         usage_error(f"--rounds={rounds} must be a whole number of at least 1")
@@ -373,10 +375,10 @@ def main(argv):
     elif what == "startup":
         import bench_startup
         text, out = bench_startup.bench(rounds_of(extra, 2))
-    elif what == "dp_shard":
-        import bench_dp_shard
-        text, out = bench_dp_shard.bench(iters, [a for a in extra if not a.startswith("--rounds=")],
-                                         rounds_of(extra, 2))
+    elif what in ("dp_shard", "optim"):
+        bench = __import__(f"bench_{what}")
+        text, out = bench.bench(iters, [a for a in extra if not a.startswith("--rounds=")],
+                                rounds_of(extra, 2 if what == "dp_shard" else 3))
     else:
         import costmodel
         text, out = costmodel.report()

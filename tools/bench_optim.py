@@ -1,0 +1,73 @@
+"""bench_optim.py: `python tools/bench.py optim`: AdamW against Muon (muon.py) on CoLA and on the
+dense model, on this machine: the milliseconds of a train.py iteration and of the optimizer step
+alone.
+
+Not in the BOOST paper (arXiv 2512.12131); docs/muon.md's equal-wall-time comparison reads these
+figures. Each of the four runs (cola and full, --optimizer=adamw and muon) is a fresh train.py
+process of `--iters` iterations (default 30), `--rounds` times (default 3), the runs interleaved;
+an iteration's figure is the median of its rounds' medians (train.py's ms, the first 3 left out).
+The optimizer step alone: one process, each model's parameters given fixed gradients, the four
+optimizers' steps interleaved, `--iters` each, the median. Extra `--key=value` arguments set the
+model and batch as in train.py (the default run's shape without them; `--n_embd=512 --n_head=8`
+for docs/muon.md's larger one).
+"""
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# the core files live at the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = [(arch, opt) for arch in ("cola", "full") for opt in ("adamw", "muon")]
+
+
+def step_alone(extra, iters):
+    """{(arch, optimizer): median ms of optimizer.step()} on one process, interleaved."""
+    import torch
+    import muon
+    from model import Llama
+    from plumbing import options
+    opts, models = {}, {}
+    for arch, opt in CASES:
+        cfg, tc = options.parse_args([*extra, f"--arch={arch}", f"--optimizer={opt}"])
+        cfg.vocab_size = options.vocab_size(tc.tokenizer)
+        torch.manual_seed(0)
+        model = models.setdefault(arch, Llama(cfg))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        opts[(arch, opt)] = muon.configure(model, tc)
+    times = {case: [] for case in CASES}
+    for i in range(iters + 2):   # (the first two: warm-up)
+        for case in CASES:
+            start = time.perf_counter()
+            opts[case].step()
+            if i >= 2:
+                times[case].append((time.perf_counter() - start) * 1e3)
+    return {case: statistics.median(t) for case, t in times.items()}
+
+
+def bench(iters, extra, rounds):
+    from bench_common import steady, table, train_run
+    iters = iters if iters != 10 else 30   # (bench.py's default 10: too few after warm-up)
+    runs = {case: [] for case in CASES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for arch, opt in CASES:
+                rec = train_run(1, [*extra, f"--arch={arch}", f"--optimizer={opt}",
+                                    f"--max_iters={iters}", f"--eval_interval={10 * iters}"],
+                                f"{tmp}/{arch}-{opt}-{r}")
+                runs[(arch, opt)].append(steady(rec, "ms"))
+                print(f"  round {r + 1}: {arch} {opt}: {runs[(arch, opt)][-1]:.1f} ms/iter",
+                      flush=True)
+    alone = step_alone(extra, iters)
+    rows = [[arch, opt, f"{statistics.median(runs[(arch, opt)]):.1f}",
+             " / ".join(f"{m:.1f}" for m in runs[(arch, opt)]), f"{alone[(arch, opt)]:.1f}"]
+            for arch, opt in CASES]
+    title = (f"AdamW vs Muon, {iters} iterations a run, {rounds} rounds interleaved"
+             + (f" ({' '.join(extra)})" if extra else " (the default run's shape)"))
+    out = {f"{arch} {opt}": {"ms_per_iter": runs[(arch, opt)], "optimizer_ms": alone[(arch, opt)]}
+           for arch, opt in CASES}
+    return title + "\n\n" + table(["arch", "optimizer", "ms / iteration (median)", "each round",
+                                   "optimizer step alone, ms"], rows), out
