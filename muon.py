@@ -20,8 +20,11 @@ columns (the work split t ways). Otherwise (vanilla cuts the latent r, Megatron 
 columns) the piece's update is gathered whole once, orthogonalised on every rank, and its slice
 kept. `gram` is chosen where its bytes, 5 all-reduces of r² (2(t−1)/t·r² each), are below the
 gather's (t−1)/t·r·d, or with `prefer="gram"`; both equal one device's Muon (tests/test_muon.py),
-and their collectives go to the ledger with the phase "optim". The Newton-Schulz arithmetic runs in
-bf16 on a GPU and fp32 on a CPU.
+and their collectives go to the ledger with the phase "optim" (per_layer_traffic: their elements
+in layouts.py's terms). Under --dp_shard (FSDP2 holds each TP-local matrix cut along its rows over
+dp) the momentum runs on each rank's rows, the update is all-gathered over dp first (dp_gathered)
+and each rank applies its own rows. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on
+a CPU.
 """
 import math
 import re
