@@ -12,7 +12,7 @@ import torch
 import layouts
 import sharding
 from model import Config, Llama
-from conftest import ROOT, command_out
+from conftest import ROOT, command, command_out
 
 
 def test_cost_model_matches_model_and_ledger():
@@ -66,8 +66,8 @@ def test_every_bench_prints_its_help_and_runs_nothing(tmp_path, monkeypatch):
         assert code == 0 and out.startswith(f"usage: python tools/bench.py {what} "), (what, err)
         assert f"python tools/bench.py {what} " in out.splitlines()[2]
     assert list(tmp_path.iterdir()) == []   # no corpus, no results: nothing ran
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "nope"], capture_output=True, text=True)
-    assert res.returncode == 2 and res.stderr.startswith("error: name one of archs")
+    code, err = command(bench.main, "nope")
+    assert code == 2 and err.startswith("error: name one of archs")
 
 
 def test_gpu_check_step_runner_keeps_what_a_timed_out_step_printed():
