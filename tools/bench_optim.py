@@ -1,15 +1,14 @@
 """bench_optim.py: `python tools/bench.py optim`: AdamW against Muon (muon.py) on CoLA and on the
 dense model, on this machine: the milliseconds of a train.py iteration and of the optimizer step
-alone.
-
-Not in the BOOST paper (arXiv 2512.12131); docs/muon.md's equal-wall-time comparison reads these
-figures. Each of the four runs (cola and full, --optimizer=adamw and muon) is a fresh train.py
-process of `--iters` iterations (default 30), `--rounds` times (default 3), the runs interleaved;
-an iteration's figure is the median of its rounds' medians (train.py's ms, the first 3 left out).
-The optimizer step alone: one process, each model's parameters given fixed gradients, the four
-optimizers' steps interleaved, `--iters` each, the median. Extra `--key=value` arguments set the
-model and batch as in train.py (the default run's shape without them; `--n_embd=512 --n_head=8`
-for docs/muon.md's larger one).
+alone. Not in the BOOST paper (arXiv 2512.12131); docs/muon.md's equal-wall-time comparison reads
+these figures. Each of the four runs (cola and full, --optimizer=adamw and muon) is a fresh
+train.py process of `--iters` iterations (default 30), `--rounds` times (default 3), the runs
+interleaved; an iteration's figure is the median of its rounds' medians (train.py's ms, the first 3
+left out). The optimizer step alone: one process, each model's parameters given fixed gradients,
+the four optimizers' steps interleaved, `--iters` each, the median, with train.py's non-finite flag
+set (found_inf = 0: Muon then masks each gradient and scales by a tensor, as in training). Extra
+`--key=value` arguments set the model and batch as in train.py (the default run's shape without
+them; `--n_embd=512 --n_head=8` for docs/muon.md's larger one).
 """
 import statistics
 import sys
@@ -38,6 +37,7 @@ def step_alone(extra, iters):
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         opts[(arch, opt)] = muon.configure(model, tc)
+        opts[(arch, opt)].found_inf = torch.zeros(())   # (as train.py sets it every step)
     times = {case: [] for case in CASES}
     for i in range(iters + 2):   # (the first two: warm-up)
         for case in CASES:
@@ -56,7 +56,8 @@ def bench(iters, extra, rounds):
         for r in range(rounds):
             for arch, opt in CASES:
                 rec = train_run(1, [*extra, f"--arch={arch}", f"--optimizer={opt}",
-                                    f"--max_iters={iters}", f"--eval_interval={10 * iters}"],
+                                    f"--max_iters={iters}", f"--eval_interval={10 * iters}",
+                                    "--eval_iters=1"],
                                 f"{tmp}/{arch}-{opt}-{r}")
                 runs[(arch, opt)].append(steady(rec, "ms"))
                 print(f"  round {r + 1}: {arch} {opt}: {runs[(arch, opt)][-1]:.1f} ms/iter",
