@@ -115,10 +115,11 @@ def _worker(tp_rank, world, meshes):
 
 
 def test_muon_tp2_and_dp_shard_every_layout_equals_one_device():
-    """tp=2 (DDP off), and dp=2 under --dp_shard=grad (the update gathered over dp). Run in one pair
-    of processes, one run of about ten (a fresh clone's CI run) lost a rank to glibc's "double free or corruption" in the
-    dp_shard half, after the tp half's groups; not reproduced since, not understood."""
-    for meshes in ([(1, 2, "none")], [(2, 1, "grad")]):   # (each in its own processes: see the note below)
+    """tp=2 (DDP off), and dp=2 under --dp_shard=grad (the update gathered over dp), each in its own
+    pair of processes: run in one pair, one run of about ten (a fresh clone's CI run) lost a rank to
+    glibc's "double free or corruption" in the dp_shard half, after the tp half's groups; not
+    reproduced since, not understood."""
+    for meshes in ([(1, 2, "none")], [(2, 1, "grad")]):
         spawn(2, _worker, meshes)
 
 
