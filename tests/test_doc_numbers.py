@@ -149,3 +149,11 @@ def test_muon_md_counts_are_the_codes():
         want = [f"{muon.per_layer_traffic(layout, c, 2, prefer):,}" if layout == "btp" or prefer == "gather"
                 else "-" for prefer in ("gram", "gather")]
         assert table[layout] == want, (layout, table[layout], want)
+
+
+def test_muon_md_corpus_size_is_the_prepared_corpus(data_dir):
+    """docs/muon.md's count of the embedded corpus's training tokens (bytes), as prepare.py writes it."""
+    import json
+    train = json.loads((data_dir / "pydoc-bytes" / "meta.json").read_text())["train_tokens"]
+    text = " ".join((ROOT / "docs" / "muon.md").read_text().split())
+    assert f"the embedded corpus of {train:,} training tokens" in text
