@@ -125,13 +125,22 @@ def rows_of(t):
     return shard_bounds(t.shape[0], mesh.get_local_rank(), mesh.size())
 
 
+def held(t, rows):
+    """(view, part): the rows `rows` (a slice) of the TP-local tensor t that this rank holds, as a
+    view of what it holds, and which of `rows` they are (a slice from 0); None where this rank's
+    dp shard holds none of them. Without --dp_shard every row."""
+    if not is_sharded(t):
+        return t.data[rows], slice(0, rows.stop - rows.start)
+    lo, hi = rows_of(t)
+    a, b = max(rows.start, lo), min(rows.stop, hi)
+    if a >= b:
+        return None
+    return t.to_local()[a - lo:b - lo], slice(a - rows.start, b - rows.start)
+
+
 def write_rows(param, rows, values):
     """values into rows `rows` (a slice) of the TP-local parameter; under --dp_shard only the
     rows this rank's shard holds."""
-    if not is_sharded(param):
-        param.data[rows].copy_(values)
-        return
-    lo, hi = rows_of(param)
-    a, b = max(rows.start, lo), min(rows.stop, hi)
-    if a < b:
-        param.to_local()[a - lo:b - lo].copy_(values[a - rows.start:b - rows.start])
+    got = held(param, rows)
+    if got is not None:
+        got[0].copy_(values[got[1]])

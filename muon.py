@@ -185,14 +185,13 @@ class MuonAdamW(torch.optim.AdamW):
     def apply(group, params, out, keep):
         lr, wd = group["lr"], group["weight_decay"]
         for p in params:
-            local = dp_shard.local(p)                               # (under --dp_shard: rows lo..)
-            lo = dp_shard.rows_of(p)[0] if dp_shard.is_sharded(p) else 0
-            local.mul_(1 - lr * wd * keep)
+            dp_shard.local(p).mul_(1 - lr * wd * keep)              # (under --dp_shard: its rows)
             for piece in group["pieces"][p]:
-                a, b = max(piece.start, lo), min(piece.start + piece.rows, lo + len(local))
-                if a < b:                                           # (this dp rank's rows of it)
-                    step = out[(p, piece.start)][a - piece.start:b - piece.start]
-                    local[a - lo:b - lo].sub_(step.to(p.dtype) * (lr * piece.lr_scale * keep))
+                got = dp_shard.held(p, slice(piece.start, piece.start + piece.rows))
+                if got is not None:                                 # (this dp rank's rows of it)
+                    view, part = got
+                    step = out[(p, piece.start)][part].to(p.dtype)
+                    view.sub_(step * (lr * piece.lr_scale * keep))
 
 
 def dp_gathered(p, rows):

@@ -117,16 +117,16 @@ class Block(torch.Tensor):
 def dp_block(tensor, rows, dim, tp):
     """This rank's dp shard of a piece (rows `rows` of a TP-local tensor FSDP2 shards over dp) as
     a Block of the full tensor, or None where the shard holds none of its rows."""
-    lo, hi = dp_shard.rows_of(tensor)
-    a, b = max(rows.start, lo), min(rows.stop, hi)
-    if a >= b:
+    got = dp_shard.held(tensor, rows)
+    if got is None:
         return None
+    local, part = got
     shape = [rows.stop - rows.start, *tensor.shape[1:]]           # the piece, TP-local
-    offsets = [a - rows.start] + [0] * (len(shape) - 1)
+    offsets = [part.start] + [0] * (len(shape) - 1)
     if dim is not None:   # the piece is this TP rank's chunk of the full tensor along dim
         offsets[dim] += tp.tp_rank * shape[dim]
         shape[dim] *= tp.size
-    return Block(tensor.to_local()[a - lo:b - lo], shape, offsets)
+    return Block(local, shape, offsets)
 
 
 # ------------------------------------------------------------------------ files and their checksums
