@@ -68,37 +68,63 @@ def torchrun(nproc, *args, timeout=300, launcher=(), check=True):
     return res
 
 
-def launch(nproc, argv, timeout):
-    """What `torchrun --standalone --nproc_per_node=nproc` starts: nproc python processes with RANK,
-    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT (a free port, found as
-    --standalone finds one), their output in one stream; every rank must exit 0 (a failed rank
-    stops the others, as the agent does)."""
+def forked():
+    """The multiprocessing context the tests start ranks in: a fork server that imported torch and
+    the project once, so a rank starts in a fraction of a second, not the 3 s of a fresh
+    interpreter's imports (most of the suite's time); it forks before any tensor op, so no
+    OpenMP pool or gloo thread is copied into a rank."""
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(["torch", "conftest"])
+    return multiprocessing.get_context("forkserver")
+
+
+def launch(nproc, argv, timeout, cwd=ROOT):
+    """What `torchrun --standalone --nproc_per_node=nproc` starts: nproc processes running the
+    script as __main__ with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT (a
+    free port, found as --standalone finds one), their output in one stream; every rank must exit
+    0 (a failed rank stops the others, as the agent does). The ranks come from the fork server,
+    in the folder cwd."""
     import socket
     import tempfile
     import time
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out, stderr=err, text=True,
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        procs = [forked().Process(target=_script, args=(argv, {**env, "RANK": str(r),
+                                  "LOCAL_RANK": str(r)}, cwd, out, err)) for r in range(nproc)]
+        for p in procs:
+            p.start()
         deadline = time.time() + timeout
-        while any(p.poll() is None for p in procs) and time.time() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
+        while any(p.exitcode is None for p in procs) and time.time() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
                 break
             time.sleep(0.05)
-        codes = [p.poll() for p in procs]
+        codes = [p.exitcode for p in procs]
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-            p.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+            p.join()
+        stdout, stderr = (Path(f).read_text() if Path(f).exists() else "" for f in (out, err))
     assert codes == [0] * nproc, f"ranks exited {codes}\n" + stdout[-2000:] + stderr[-3000:]
     return subprocess.CompletedProcess(argv, 0, stdout, stderr)
+
+
+def _script(argv, env, cwd, out, err):
+    """One launched rank: the environment torchrun gives it, its output appended to the job's,
+    then the script run as `python script args` runs it (its __main__ block)."""
+    import runpy
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), fd)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))   # (OpenMP read it at the server's import)
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def metrics(out_dir, events=False):
@@ -112,8 +138,10 @@ def spawn(world, fn, *args, timeout=240):
     import tempfile
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), fn, *args), nprocs=world,
-                                 join=False, start_method="spawn")
+        forked()   # (its preloads)
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), dict(os.environ),
+                                                fn, *args), nprocs=world, join=False,
+                                 start_method="forkserver")
         deadline = __import__("time").time() + timeout
         while not ctx.join(timeout=5):
             if __import__("time").time() > deadline:
@@ -122,9 +150,12 @@ def spawn(world, fn, *args, timeout=240):
                 raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s")
 
 
-def _worker(rank, world, store, fn, *args):
-    """One spawned process: a gloo group over a FileStore (no port), fn, then an orderly shutdown."""
+def _worker(rank, world, store, env, fn, *args):
+    """One spawned process (from the fork server, with the test's environment): a gloo group over
+    a FileStore (no port), fn, then an orderly shutdown."""
     import datetime
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
                             store=dist.FileStore(store, world))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, command
+from conftest import ROOT, command, launch
 
 IN_PROCESS = {"train.py": lambda: __import__("train").main, "prepare.py": lambda: __import__("prepare").main,
               "interchange.py": lambda: __import__("interchange").cli}   # the rest run as processes
@@ -25,6 +25,7 @@ IN_PROCESS = {"train.py": lambda: __import__("train").main, "prepare.py": lambda
 TINY_SHAPE = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2",
               "--attn_rank=8", "--mlp_rank=8", "--mlp_width=64", "--eval_iters=1", "--eval_interval=2",
               "--sample_tokens=0", "--num_proc=1"]
+AGENT = ["-m", "torch.distributed.run", "--standalone"]   # torchrun's agent, then --nproc_per_node
 
 
 def readme_commands():
@@ -91,7 +92,7 @@ def test_every_readme_command_runs_as_shown(tmp_path, placeholders, monkeypatch)
         pytest.skip("the README's gpt2 commands need the GPT-2 vocabulary (TIKTOKEN_CACHE_DIR)")
     work = tmp_path / "work"
     work.mkdir()
-    ran = 0
+    ran = ran_agent = 0
     for argv in readme_commands():
         cmd, status = shrink(argv, placeholders)
         if cmd is None:
@@ -101,6 +102,10 @@ def test_every_readme_command_runs_as_shown(tmp_path, placeholders, monkeypatch)
             monkeypatch.chdir(work)
             code, err = command(IN_PROCESS[Path(cmd[1]).name](), *cmd[2:])
             assert code == status, f"{shown}\n{err}"
+            ran += 1
+            continue
+        if cmd[1:4] == AGENT and (ran_agent := ran_agent + 1) > 1:   # (the first with the agent)
+            launch(int(cmd[4].split("=")[1]), cmd[5:], 240, cwd=work)
             ran += 1
             continue
         res = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=240,
