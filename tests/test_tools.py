@@ -68,6 +68,10 @@ def test_every_bench_prints_its_help_and_runs_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []   # no corpus, no results: nothing ran
     code, err = command(bench.main, "nope")
     assert code == 2 and err.startswith("error: name one of archs")
+    # --iters as given (10 included); unset, optim's runs 30 and every other bench's 10
+    assert [bench.bench_args(w, a)[0] for w, a in (("optim", []), ("optim", ["--iters=10"]),
+                                                    ("layouts", []), ("layouts", ["--iters=0"]))] \
+        == [30, 10, 10, 0]
 
 
 def test_gpu_check_step_runner_keeps_what_a_timed_out_step_printed():

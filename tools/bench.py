@@ -305,9 +305,11 @@ def bench_help(what):
                                                          if x.startswith("Each prints"))):]])
 
 
-def bench_args(args):
-    """(iters, tps, json_dir, mb, keep, the model's --key=value) of a bench's arguments."""
-    iters, tps, json_dir, mb, keep, extra = 10, (1, 2, 4), ROOT / "bench-results", 1024, None, []
+def bench_args(what, args):
+    """(iters, tps, json_dir, mb, keep, the model's --key=value) of a bench's arguments; optim's
+    runs default to 30 iterations (10 are few after the warm-up), the others' to 10."""
+    iters = 30 if what == "optim" else 10
+    tps, json_dir, mb, keep, extra = (1, 2, 4), ROOT / "bench-results", 1024, None, []
     try:
         for arg in args:
             key, _, value = arg.partition("=")
@@ -339,7 +341,7 @@ def main(argv):
         return
     # unwind, so temporary folders go on a kill too
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
-    what, (iters, tps, json_dir, mb, keep, extra) = argv[0], bench_args(argv[1:])
+    what, (iters, tps, json_dir, mb, keep, extra) = argv[0], bench_args(argv[0], argv[1:])
     if what == "archs":
         text, out = bench_archs(iters, extra)
     elif what == "layouts":

@@ -50,7 +50,6 @@ def step_alone(extra, iters):
 
 def bench(iters, extra, rounds):
     from bench_common import steady, table, train_run
-    iters = iters if iters != 10 else 30   # (bench.py's default 10: too few after warm-up)
     runs = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
