@@ -7,6 +7,8 @@ command's own, which they override) and its iteration numbers divided by 500 (20
 500 -> 1, and a checkpoint's iter_NNNNNNN alike); `path/to/...` placeholders become a corpus and a
 SentencePiece model made here; the bench gets one iteration at tp=2. Skipped: `make test`
 (this suite) and pip installs; the GPU check must say in one line that there is no CUDA device.
+The first torchrun command runs torchrun's agent; the later ones start the same ranks with the same
+arguments as the agent would (conftest.launch), without its process (3 s each).
 """
 import os
 import re
