@@ -111,10 +111,15 @@ def rows_held(model, rows):
     return hi - lo
 
 
+def chunk_rows(n, dp):
+    """The rows a dp shard of n rows holds at most: FSDP2 cuts dim 0 as torch.chunk does,
+    ceil(n/dp) rows a shard, so the last ranks may hold fewer, or none."""
+    return -(-n // dp)
+
+
 def shard_bounds(n, dp_rank, dp):
-    """(lo, hi): the rows of n that dp shard dp_rank of dp holds. FSDP2 cuts dim 0 as torch.chunk
-    does: ceil(n/dp) rows a shard, so the last ranks may hold fewer, or none."""
-    size = -(-n // dp)
+    """(lo, hi): the rows of n that dp shard dp_rank of dp holds (chunk_rows a shard)."""
+    size = chunk_rows(n, dp)
     lo = min(n, dp_rank * size)
     return lo, min(n, lo + size)
 

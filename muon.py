@@ -201,7 +201,7 @@ def dp_gathered(p, rows):
     an A (r, d/t) cut the short side r (X·Xᵀ needs whole rows) and for a stacked qkv cut across
     pieces; its bytes are one all-gather of the matrices, as FSDP2's own before a forward."""
     m, mesh = p.shape[0], p.device_mesh
-    size = -(-m // mesh.size())
+    size = dp_shard.chunk_rows(m, mesh.size())
     padded = rows.new_zeros((size, *rows.shape[1:]))                # (ceil(m/dp), n)
     padded[:len(rows)] = rows
     return all_gather_last(padded.t(), mesh.get_group(), "optim").t()[:m]   # (m, n)
@@ -277,8 +277,9 @@ def traffic(optimizer, group="tp"):
         if not g.get("muon"):
             continue
         if group == "dp":
-            total += sum(-(-p.shape[0] // dp) * dp * math.prod(p.shape[1:]) for p in g["params"]
-                         if dp_shard.is_sharded(p) for dp in [p.device_mesh.size()])
+            total += sum(dp_shard.chunk_rows(p.shape[0], dp) * dp * math.prod(p.shape[1:])
+                         for p in g["params"] if dp_shard.is_sharded(p)
+                         for dp in [p.device_mesh.size()])
             continue
         pieces = [pc for p in g["params"] for pc in g["pieces"][p]]
         grams = [pc for pc in pieces if pc.mode == "gram"]
