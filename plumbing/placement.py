@@ -48,13 +48,10 @@ class Placement:
 def place_processes(plan):
     """The process group and the (dp, pp, tp) mesh under torchrun (NCCL on GPUs, gloo elsewhere)."""
     tc, world, dp, device = plan.tc, plan.world, plan.dp, plan.device
+    if device.startswith("cuda"):   # Triton launches and NCCL use the current device
+        torch.cuda.set_device(torch.device(device))   # (plan.resolve_device gave it its index)
     if world == 1:
-        if device.startswith("cuda"):   # (cuda:N: Triton launches on the current device)
-            torch.cuda.set_device(device)
         return Placement(world, dp, device)
-    if device == "cuda":
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(device)
     mesh = init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
     tp = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
     # a stage's ranks choose kernels alike

@@ -5,6 +5,7 @@ some of them `auto`. Here they are resolved once, with every check that can fail
 that placement.py and train.py read and never resolve again: the data-parallel degree, the
 layout, the device and the dtype; and, for a resumed run, the options its checkpoint recorded.
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ class Plan:
     world: int      # processes (torchrun's WORLD_SIZE)
     dp: int         # data-parallel degree: world / (tp · pp) unless --dp gives it
     layout: str     # btp | vanilla | megatron (auto: btp for low-rank, megatron for dense)
-    device: str     # cpu | cuda | cuda:N (auto resolved; under torchrun each rank its own GPU)
+    device: str     # cpu | cuda:N (auto and cuda resolved: under torchrun each rank its own GPU)
     dtype: str      # float32 | bfloat16 (auto: bfloat16 on a GPU that has it)
 
 
@@ -69,9 +70,20 @@ def make(cfg, tc, world):
     if tc.dp_shard != "none":
         check_dp_shard(tc, dp)
     checkpointing.check_recompute(cfg, tc.recompute)
-    device = tc.device if tc.device != "auto" else \
-        ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(tc.device)
     return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
+
+
+def resolve_device(device):
+    """cpu or cuda:N, whatever way --device wrote it: auto is a GPU where there is one; a GPU
+    without an index (auto, cuda) is this process's own, torchrun's LOCAL_RANK (0 alone).
+    torch.cuda.set_device refuses a device without an index, and so does NCCL's device check."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return str(where)
 
 
 def compute_dtype(tc, device):

@@ -4,6 +4,8 @@ offsets in the Triton kernels, the non-finite check that never waits for the dev
 of a reading of every CUDA path that a CPU can show (kernels.py, triton_kernels.py, train.py,
 sharding.py, tools/gpu_check.py; BOOST arXiv 2512.12131 sections 3-4).
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -147,17 +149,34 @@ def test_triton_architecture_is_chosen_per_device_at_first_launch(monkeypatch):
     assert tk.tuner("grouped_mm", 16, 90) is tk.tuner("grouped_mm", 16, 90)   # made once
 
 
-def test_one_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
-    """--device=cuda:1 without torchrun: Triton launches and timings use the current device, so it is
-    set (a CPU run sets nothing)."""
-    from types import SimpleNamespace
-    from plumbing import placement
+@pytest.mark.parametrize("local_rank", [None, "1"])
+def test_every_way_of_writing_a_gpu_sets_an_indexed_current_device(monkeypatch, local_rank):
+    """--device=auto, cuda, cuda:0, cuda:1 alone and under torchrun (LOCAL_RANK): the plan names an
+    indexed device and placement makes it current through torch's own torch.cuda.set_device and its
+    argument check (which refuses a bare "cuda"); only the driver call is stood in for. A CPU run
+    sets nothing."""
+    from plumbing import placement, plan
     seen = []
-    monkeypatch.setattr(torch.cuda, "set_device", seen.append)
-    for device in ("cuda:1", "cpu"):
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", seen.append, raising=False)   # the driver
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    own = int(local_rank or 0)
+    want = {"auto": own, "cuda": own, "cuda:0": 0, "cuda:1": 1}
+    for written, index in want.items():
+        device = plan.resolve_device(written)
+        assert device == f"cuda:{index}" and torch.device(device).index == index
         place = placement.place_processes(SimpleNamespace(tc=None, world=1, dp=1, device=device))
         assert place.device == device
-    assert seen == ["cuda:1"]
+    assert seen == list(want.values())
+    with pytest.raises(ValueError, match="specified index"):   # what the old code passed
+        torch.cuda.set_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan.resolve_device("auto") == plan.resolve_device("cpu") == "cpu"
+    placement.place_processes(SimpleNamespace(tc=None, world=1, dp=1, device="cpu"))
+    assert seen == list(want.values())
 
 
 def test_clip_grad_norm_uses_foreach_kernels_and_copies_no_gradient(monkeypatch):
