@@ -17,8 +17,9 @@ gradients (dA, dB), which reduce over every token, are cuBLAS's on both paths.
   dz_g = dy_g·B_g, dB_g = dy_gᵀ·z_g.
 - rms_norm: plain RMSNorm over the last dim (replicated-stream layouts, the final norm).
 
-The Triton kernels themselves, their tile configurations per GPU and their launches are
-triton_kernels.py; on a machine without CUDA they run in Triton's interpreter.
+The ops as torch.compile sees them (custom ops, each direction one, with their autograd) are
+kernel_ops.py; the Triton kernels themselves, their tile configurations per GPU and their
+launches are triton_kernels.py; on a machine without CUDA they run in Triton's interpreter.
 """
 import contextlib
 import os
@@ -33,6 +34,7 @@ try:
     import triton
 except ImportError:  # a laptop without Triton: the reference path still works
     triton = None
+from kernel_ops import grouped_up_dz_op, grouped_up_op, norm_down_op, rms_norm_op
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = "torch"
@@ -202,7 +204,7 @@ def norm_down(x, gamma, A):
     if ways == ("torch", "torch"):
         return norm_down_ref(x, gamma, A)
     A = _autocast(A, x)
-    H, S = NormDown.apply(x.reshape(-1, x.shape[-1]), gamma, A, *ways)
+    H, S = norm_down_op(x.reshape(-1, x.shape[-1]), gamma, A, *ways)
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
 
@@ -215,7 +217,7 @@ def grouped_up(z, Bs):
                   (z, *Bs))
     if ways == ("torch", "torch"):
         return grouped_up_ref(z, Bs)
-    Y = GroupedUp.apply(_autocast(z, z).reshape(-1, z.shape[-1]), *ways, *Bs)
+    Y = grouped_up_op(_autocast(z, z).reshape(-1, z.shape[-1]), list(Bs), *ways)
     return [y.view(*z.shape[:-1], -1) for y in Y.split([B.shape[0] for B in Bs], -1)]
 
 
@@ -229,8 +231,7 @@ def grouped_up_dz(dys, Bs):
     if way == "torch":
         return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)   # (M, Σn_g), built once
-    W = torch.cat([B.to(dY.dtype) for B in Bs])
-    return _up_dz(dY, W, [B.shape[0] for B in Bs]).view(*dys[0].shape[:-1], -1)
+    return grouped_up_dz_op(dY, list(Bs)).view(*dys[0].shape[:-1], -1)
 
 
 def grouped_up_dB(dys, z, Bs):
@@ -246,139 +247,4 @@ def rms_norm(x, gamma, eps):
     if ways == ("torch", "torch"):
         return rms_norm_ref(x, gamma, eps)
     # (x in its own dtype, as the reference's F.rms_norm takes it under autocast: y in x's dtype)
-    return RMSNormFn.apply(x.reshape(-1, x.shape[-1]), gamma, eps, *ways).view(x.shape)
-
-
-# ------------------ autograd of the ops: each direction Triton (triton_kernels.py) or the reference
-
-class NormDown(torch.autograd.Function):
-    """x (M, K), γ (K), A (N, K) -> H (M, N) in A's dtype, S (M) fp32; fwd, bwd: "triton" or
-    "torch" for each direction."""
-
-    @staticmethod
-    def forward(ctx, x, gamma, A, fwd, bwd):
-        x, gamma, A = x.contiguous(), gamma.contiguous(), A.contiguous()
-        ctx.save_for_backward(x, gamma, A)
-        ctx.bwd = bwd
-        if fwd == "torch":
-            return (x * gamma).to(A.dtype) @ A.t(), x.float().pow(2).sum(-1)
-        (M, K), N = x.shape, A.shape[0]
-        H = torch.empty(M, N, dtype=A.dtype, device=x.device)   # (the product's dtype: A's)
-        S = torch.empty(M, dtype=torch.float32, device=x.device)
-        up, ieee = tk.dot_flags(A)
-        grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
-        tk.launcher("norm_down_fwd", A)[grid](x, gamma, A, H, S, M, N, K, x.stride(0),
-                                              A.stride(0), H.stride(0), tk.bucket(M),
-                                              UPCAST=up, IEEE=ieee)
-        return H, S
-
-    @staticmethod
-    def backward(ctx, dH, dS):
-        x, gamma, A = ctx.saved_tensors
-        (M, K), N = x.shape, A.shape[0]
-        dH = dH.contiguous()
-        dS = torch.zeros(M, dtype=torch.float32, device=x.device) if dS is None else \
-            dS.float().contiguous()
-        # dA = dHᵀ·(x⊙γ) reduces over every token: cuBLAS's split-K, not a 32-88-tile grid
-        dA = (dH.t() @ (x * gamma).to(dH.dtype)).to(A.dtype)               # (N, K)
-        if ctx.bwd == "torch":
-            dxg = (dH @ A).float()                                         # d(x⊙γ) (M, K)
-            dx = dxg * gamma + 2 * x.float() * dS[:, None]
-            return dx.to(x.dtype), (dxg * x).sum(0).to(gamma.dtype), dA, None, None
-        up, ieee = tk.dot_flags(A)
-        dx = torch.empty_like(x)   # (in x's dtype: an fp32 residual gets an fp32 gradient)
-        # per row block
-        dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)
-        # K blocks the fast axis: the programs running together share their dH row block
-        grid = lambda META: (triton.cdiv(K, META["BK"]), triton.cdiv(M, META["BM"]))
-        tk.launcher("norm_down_dx", A)[grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
-                                             A.stride(0), x.stride(0),
-                                             tk.bucket(M), UPCAST=up, IEEE=ieee)
-        return dx, dg.sum(0).to(gamma.dtype), dA, None, None
-
-
-class GroupedUp(torch.autograd.Function):
-    """Z (M, G·r), Bs [(n_g, r)] -> Y (M, Σn_g), y_g = z_g·B_gᵀ; the Bs stacked into one W inside
-    (one copy, in Z's dtype), their gradients split back."""
-
-    @staticmethod
-    def forward(ctx, Z, fwd, bwd, *Bs):
-        Z = Z.contiguous()
-        W = torch.cat([B.to(Z.dtype) for B in Bs])                         # (Σn_g, r)
-        widths = [B.shape[0] for B in Bs]
-        ctx.save_for_backward(Z, W)
-        ctx.widths, ctx.bwd, ctx.dtypes = widths, bwd, [B.dtype for B in Bs]
-        (M, R), r = Z.shape, W.shape[1]
-        if fwd == "torch":
-            return torch.cat([zg @ B.t() for zg, B in zip(Z.split(r, -1), W.split(widths))], -1)
-        offsets = [sum(widths[:g]) for g in range(len(widths))]
-        Y = torch.empty(M, sum(widths), dtype=Z.dtype, device=Z.device)
-        groups = [tk.Group(P=M, Q=n, K=r, a_col=g * r, b_col=o, c_col=o)
-                  for g, (n, o) in enumerate(zip(widths, offsets))]
-        tk.grouped_mm(tk.Operand(Z, R, 1), tk.Operand(W, 1, r), tk.Operand(Y, Y.stride(0), 1),
-                      groups, call="up")
-        return Y
-
-    @staticmethod
-    def backward(ctx, dY):
-        Z, W = ctx.saved_tensors
-        dY, r = dY.contiguous(), W.shape[1]
-        if ctx.bwd == "torch":
-            dZ = torch.cat([dy @ B for dy, B in zip(dY.split(ctx.widths, -1),
-                                                    W.split(ctx.widths))], -1)
-        else:
-            dZ = _up_dz(dY, W, ctx.widths)
-        dBs = [(dy.t() @ zg).to(dtype) for dy, zg, dtype in   # (cuBLAS: see grouped_up_dB)
-               zip(dY.split(ctx.widths, -1), Z.split(r, -1), ctx.dtypes)]
-        return dZ, None, None, *dBs
-
-
-def _up_dz(dY, W, widths):
-    """dY (M, Σn_g), W (Σn_g, r) -> dZ (M, G·r): dz_g = dy_g·B_g."""
-    dY, W = dY.contiguous(), W.contiguous()
-    (M, n_all), r = dY.shape, W.shape[1]
-    offsets = [sum(widths[:g]) for g in range(len(widths))]
-    dZ = torch.empty(M, r * len(widths), dtype=dY.dtype, device=dY.device)
-    groups = [tk.Group(P=M, Q=r, K=n, a_col=o, b_row=o, c_col=g * r)
-              for g, (n, o) in enumerate(zip(widths, offsets))]
-    tk.grouped_mm(tk.Operand(dY, n_all, 1), tk.Operand(W, r, 1), tk.Operand(dZ, dZ.shape[1], 1),
-                  groups, call="dz")
-    return dZ
-
-
-class RMSNormFn(torch.autograd.Function):
-    """x (M, N), γ (N) -> y (M, N) in x's dtype; fwd, bwd: "triton" or "torch"."""
-
-    @staticmethod
-    def forward(ctx, x, gamma, eps, fwd, bwd):
-        x = x.contiguous()
-        M, N = x.shape
-        ctx.bwd = bwd
-        if fwd == "torch":
-            rstd = torch.rsqrt(x.float().pow(2).mean(-1) + eps)           # (M,)
-            y = (x.float() * rstd[:, None] * gamma.float()).to(x.dtype)
-        else:
-            y = torch.empty_like(x)
-            rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-            block = triton.next_power_of_2(N)
-            tk.rms_fwd[(triton.cdiv(M, tk.rows()),)](x, gamma, y, rstd, M, N, eps,
-                                                     ROWS=tk.rows(), BLOCK=block,
-                                                     num_warps=tk.rms_warps(block))
-        ctx.save_for_backward(x, gamma, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, gamma, rstd = ctx.saved_tensors
-        M, N = x.shape
-        if ctx.bwd == "torch":   # dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)), dγ = Σ_rows dy⊙x̂
-            xhat, wdy = x.float() * rstd[:, None], dy.float() * gamma.float()
-            dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
-            return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(gamma.dtype), None, None, None
-        dx = torch.empty_like(x)
-        grid = (triton.cdiv(M, tk.rows()),)
-        dg = torch.empty(grid[0], N, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(N)
-        tk.rms_bwd[grid](dy.contiguous(), x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(),
-                         BLOCK=block, num_warps=tk.rms_warps(block, backward=True))
-        return dx, dg.sum(0).to(gamma.dtype), None, None, None
+    return rms_norm_op(x.reshape(-1, x.shape[-1]), gamma, eps, *ways)[0].view(x.shape)

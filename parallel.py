@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.profiler import record_function
 
 import kernels
@@ -38,11 +39,17 @@ class Ledger:
 
     def record(self, op, group, tensor, phase):
         name = self.names.get(id(group), "?")
+        if torch.compiler.is_compiling():   # traced: an op of the graph, counted at every run
+            torch.ops.boost.ledger(_TICK, op, name, phase, tensor.numel(), tensor.element_size())
+            return
         if self.listener:
             self.listener(op, name, phase, tensor)
+        self.add(op, name, phase, tensor.numel(), tensor.element_size())
+
+    def add(self, op, name, phase, numel, element_size):
         entry = self.counts[(op, name, phase)]
-        entry[0] += tensor.numel()
-        entry[1] += tensor.numel() * tensor.element_size()
+        entry[0] += numel
+        entry[1] += numel * element_size
         entry[2] += 1
 
     def reset(self):
@@ -55,6 +62,15 @@ class Ledger:
 
 
 LEDGER = Ledger()
+_TICK = torch.zeros(())   # what the ledger's op writes: a graph keeps an op that writes
+
+
+@torch.library.custom_op("boost::ledger", mutates_args=("tick",))
+def _ledger_op(tick: torch.Tensor, op: str, name: str, phase: str, numel: int,
+               element_size: int) -> None:
+    """LEDGER.add as an op of a torch.compile graph: a Python side effect in traced code would run
+    once, at tracing; an op runs at every step."""
+    LEDGER.add(op, name, phase, numel, element_size)
 
 
 # tools/bench.py's lower bound: True skips every collective (the ledger still counts them), so a
@@ -81,6 +97,9 @@ def all_reduce(x, group, phase, op=dist.ReduceOp.SUM, async_op=False):
         return (x, _Pending(None, "")) if async_op else x
     x = x.contiguous()
     LEDGER.record("all_reduce", group, x, phase)
+    if torch.compiler.is_compiling():   # traced: a functional collective, one node of the graph
+        x = funcol.all_reduce(x, {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}[op], group)
+        return (x, _Pending(None, "")) if async_op else x
     label = f"all_reduce {LEDGER.names.get(id(group), '?')} {phase} {x.numel()}"
     with record_function(label):
         work = None if NO_COMM else dist.all_reduce(x, op=op, group=group, async_op=async_op)
@@ -182,7 +201,7 @@ class Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        if not x.is_contiguous():
+        if not x.is_contiguous() or torch.compiler.is_compiling():   # (traced: out of place)
             return all_reduce(x.contiguous(), group, "fwd")
         # in place: x is a partial product that no one else reads (mark_dirty: autograd checks it)
         ctx.mark_dirty(x)

@@ -270,3 +270,41 @@ def test_optimizer_state_is_made_on_each_parameter_device():
     views = train_state.state_views(model, opt, None)
     assert views and all(t.device.type == "meta" for t in views.values())
     assert all(t.device.type == "meta" for p in model.parameters() for t in opt.state[p].values())
+
+
+# ---------------------------------------------------------------- issue 42: compiled graphs
+
+GRAPH_CASES = (("cola", "btp"), ("svd", "vanilla"), ("full", "megatron"))
+
+
+def _graphs(tp_rank, world, out=None):
+    """{(layout, kernels): (graphs, breaks)} of torch._dynamo.explain over a training forward
+    (the loss) at this TP degree; the Triton kernels interpreted."""
+    import layouts
+    import parallel
+    from conftest import small_cfg
+    from model import Llama
+    tp = parallel.TPGroup(dist.group.WORLD if world > 1 else None, tp_rank, world)
+    found = {}
+    for arch, layout in GRAPH_CASES:
+        torch.manual_seed(0)
+        model = layouts.TPLlama(Llama(small_cfg(arch, n_layer=1)), tp, layout)
+        idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        for impl in ("torch", "triton"):
+            torch._dynamo.reset()
+            with kernels.using(impl):
+                ex = torch._dynamo.explain(lambda i: model(i, i)[1])(idx)
+            found[(layout, impl)] = (ex.graph_count, ex.graph_break_count)
+    assert all(v == (1, 0) for v in found.values()), found
+    return found
+
+
+def test_every_layout_compiles_to_one_graph_with_the_kernels_at_tp1():
+    """The Triton kernels are custom ops (kernel_ops.py), the collectives functional under
+    compile: a layer is one graph, no break, with --kernels=torch and --kernels=triton."""
+    assert set(_graphs(0, 1)) == {(layout, impl) for _, layout in GRAPH_CASES
+                                  for impl in ("torch", "triton")}
+
+
+def test_every_layout_compiles_to_one_graph_with_the_kernels_at_tp2():
+    spawn(2, _graphs)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import kernels
 import layouts
 import parallel
 from model import Llama
@@ -84,8 +85,12 @@ def _compile_worker(rank, world):
     parallel.LEDGER.name(dist.group.WORLD, "tp")
     # inductor (what --compile=true uses) for BTP; the baselines through dynamo and AOT autograd only,
     # which is where TP breaks graphs (inductor's C++ builds would add a minute to the suite)
-    for arch, layout, backend in (("cola", "btp", "inductor"), ("svd", "vanilla", "aot_eager"),
-                                  ("full", "megatron", "aot_eager")):
+    # and BTP with the Triton kernels (interpreted), custom ops inside the graph, their backward too
+    for arch, layout, backend, impl in (("cola", "btp", "inductor", "torch"),
+                                        ("svd", "vanilla", "aot_eager", "torch"),
+                                        ("full", "megatron", "aot_eager", "torch"),
+                                        ("cola", "btp", "aot_eager", "triton")):
+        kernels.select(impl, "cpu")
         torch.manual_seed(0)
         ref = Llama(small_cfg(arch, n_layer=1))
         idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))

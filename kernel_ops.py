@@ -1,0 +1,218 @@
+"""kernel_ops.py: BOOST's local ops as torch.compile sees them: custom ops with their autograd.
+
+BOOST (arXiv 2512.12131) sections 3-4; what each op computes is kernels.py's docstring, which
+chooses the implementation and calls these. Each direction of an op is one custom op
+(torch.library.custom_op) whose body runs the Triton kernel (triton_kernels.py) or the PyTorch
+reference, as its `fwd` / `bwd` argument says. Why ops and not autograd Functions: dynamo cannot
+trace a Triton launch or its cached autotuner, so an autograd Function around one broke
+torch.compile's graph at every call (each layer fell back to eager between its pieces); an op is
+one node of the graph, its backward registered beside it (register_autograd), and its shapes
+given without running it (register_fake). Inductor calls the op's body as it is: the Triton
+kernels run autotuned as in eager mode.
+"""
+import torch
+from torch import Tensor
+
+try:
+    import triton_kernels as tk   # (first: TRITON_INTERPRET=1 where there is no CUDA)
+    import triton
+except ImportError:  # a laptop without Triton: the ops' reference bodies still run
+    tk = triton = None
+
+
+
+@torch.library.custom_op("boost::norm_down", mutates_args=())
+def norm_down_op(x: Tensor, gamma: Tensor, A: Tensor, fwd: str, bwd: str) -> tuple[Tensor, Tensor]:
+    """x (M, K), γ (K), A (N, K) -> H (M, N) in A's dtype, S (M) fp32."""
+    x, gamma, A = x.contiguous(), gamma.contiguous(), A.contiguous()
+    if fwd == "torch":
+        return (x * gamma).to(A.dtype) @ A.t(), x.float().pow(2).sum(-1)
+    (M, K), N = x.shape, A.shape[0]
+    H = torch.empty(M, N, dtype=A.dtype, device=x.device)   # (the product's dtype: A's)
+    S = torch.empty(M, dtype=torch.float32, device=x.device)
+    up, ieee = tk.dot_flags(A)
+    grid = lambda META: (triton.cdiv(M, META["BM"]), triton.cdiv(N, META["BN"]))
+    tk.launcher("norm_down_fwd", A)[grid](x, gamma, A, H, S, M, N, K, x.stride(0), A.stride(0),
+                                          H.stride(0), tk.bucket(M), UPCAST=up, IEEE=ieee)
+    return H, S
+
+
+@norm_down_op.register_fake
+def _(x, gamma, A, fwd, bwd):
+    return A.new_empty(x.shape[0], A.shape[0]), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("boost::norm_down_backward", mutates_args=())
+def norm_down_backward(dH: Tensor, dS: Tensor, x: Tensor, gamma: Tensor, A: Tensor,
+                       bwd: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> dx (M, K) in x's dtype (an fp32 residual gets an fp32 gradient), dγ, dA (N, K)."""
+    x, gamma, A = x.contiguous(), gamma.contiguous(), A.contiguous()
+    (M, K), N = x.shape, A.shape[0]
+    dH, dS = dH.contiguous(), dS.float().contiguous()
+    # dA = dHᵀ·(x⊙γ) reduces over every token: cuBLAS's split-K, not a 32-88-tile grid
+    dA = (dH.t() @ (x * gamma).to(dH.dtype)).to(A.dtype)               # (N, K)
+    if bwd == "torch":
+        dxg = (dH @ A).float()                                         # d(x⊙γ) (M, K)
+        dx = dxg * gamma + 2 * x.float() * dS[:, None]
+        return dx.to(x.dtype), (dxg * x).sum(0).to(gamma.dtype), dA
+    up, ieee = tk.dot_flags(A)
+    dx = torch.empty_like(x)
+    dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)  # a row
+    # block each; K blocks the fast axis: the programs running together share their dH row block
+    grid = lambda META: (triton.cdiv(K, META["BK"]), triton.cdiv(M, META["BM"]))
+    tk.launcher("norm_down_dx", A)[grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
+                                         A.stride(0), x.stride(0), tk.bucket(M), UPCAST=up,
+                                         IEEE=ieee)
+    return dx, dg.sum(0).to(gamma.dtype), dA
+
+
+@norm_down_backward.register_fake
+def _(dH, dS, x, gamma, A, bwd):
+    return torch.empty_like(x), torch.empty_like(gamma), torch.empty_like(A)
+
+
+def _norm_down_save(ctx, inputs, output):
+    x, gamma, A, _, ctx.bwd = inputs
+    ctx.save_for_backward(x, gamma, A)
+
+
+def _norm_down_grad(ctx, dH, dS):
+    x, gamma, A = ctx.saved_tensors
+    dS = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device) if dS is None else dS
+    return *norm_down_backward(dH, dS, x, gamma, A, ctx.bwd), None, None
+
+
+norm_down_op.register_autograd(_norm_down_grad, setup_context=_norm_down_save)
+
+
+@torch.library.custom_op("boost::grouped_up", mutates_args=())
+def grouped_up_op(Z: Tensor, Bs: list[Tensor], fwd: str, bwd: str) -> Tensor:
+    """Z (M, G·r), Bs [(n_g, r)] -> Y (M, Σn_g) in Z's dtype, y_g = z_g·B_gᵀ."""
+    Z, r = Z.contiguous(), Bs[0].shape[1]
+    if fwd == "torch":
+        return torch.cat([zg @ B.to(Z.dtype).t() for zg, B in zip(Z.split(r, -1), Bs)], -1)
+    widths = [B.shape[0] for B in Bs]
+    offsets = [sum(widths[:g]) for g in range(len(widths))]
+    W = torch.cat([B.to(Z.dtype) for B in Bs])                             # (Σn_g, r)
+    Y = torch.empty(Z.shape[0], sum(widths), dtype=Z.dtype, device=Z.device)
+    groups = [tk.Group(P=Z.shape[0], Q=n, K=r, a_col=g * r, b_col=o, c_col=o)
+              for g, (n, o) in enumerate(zip(widths, offsets))]
+    tk.grouped_mm(tk.Operand(Z, Z.shape[1], 1), tk.Operand(W, 1, r),
+                  tk.Operand(Y, Y.stride(0), 1), groups, call="up")
+    return Y
+
+
+@grouped_up_op.register_fake
+def _(Z, Bs, fwd, bwd):
+    return Z.new_empty(Z.shape[0], sum(B.shape[0] for B in Bs))
+
+
+@torch.library.custom_op("boost::grouped_up_backward", mutates_args=())
+def grouped_up_backward(dY: Tensor, Z: Tensor, Bs: list[Tensor], bwd: str) -> list[Tensor]:
+    """-> [dZ (M, G·r), dB_1, ..., dB_G]: dz_g = dy_g·B_g, and dB_g = dy_gᵀ·z_g on cuBLAS (see
+    grouped_up_dB)."""
+    dY, Z, r = dY.contiguous(), Z.contiguous(), Bs[0].shape[1]
+    dys = dY.split([B.shape[0] for B in Bs], -1)
+    if bwd == "torch":
+        dZ = torch.cat([dy @ B.to(dY.dtype) for dy, B in zip(dys, Bs)], -1)
+    else:
+        dZ = grouped_up_dz_op(dY, Bs)
+    return [dZ, *[(dy.t() @ zg).to(B.dtype) for dy, zg, B in zip(dys, Z.split(r, -1), Bs)]]
+
+
+@grouped_up_backward.register_fake
+def _(dY, Z, Bs, bwd):
+    return [torch.empty_like(Z), *[torch.empty_like(B) for B in Bs]]
+
+
+def _grouped_up_save(ctx, inputs, output):
+    Z, Bs, _, ctx.bwd = inputs
+    ctx.save_for_backward(Z, *Bs)
+
+
+def _grouped_up_grad(ctx, dY):
+    Z, *Bs = ctx.saved_tensors
+    dZ, *dBs = grouped_up_backward(dY, Z, Bs, ctx.bwd)
+    return dZ, dBs, None, None
+
+
+grouped_up_op.register_autograd(_grouped_up_grad, setup_context=_grouped_up_save)
+
+
+@torch.library.custom_op("boost::grouped_up_dz", mutates_args=())
+def grouped_up_dz_op(dY: Tensor, Bs: list[Tensor]) -> Tensor:
+    """Triton's dY (M, Σn_g), Bs [(n_g, r)] -> dZ (M, G·r) in dY's dtype: dz_g = dy_g·B_g."""
+    dY, r = dY.contiguous(), Bs[0].shape[1]
+    widths = [B.shape[0] for B in Bs]
+    offsets = [sum(widths[:g]) for g in range(len(widths))]
+    W = torch.cat([B.to(dY.dtype) for B in Bs])                            # (Σn_g, r)
+    dZ = torch.empty(dY.shape[0], r * len(widths), dtype=dY.dtype, device=dY.device)
+    groups = [tk.Group(P=dY.shape[0], Q=r, K=n, a_col=o, b_row=o, c_col=g * r)
+              for g, (n, o) in enumerate(zip(widths, offsets))]
+    tk.grouped_mm(tk.Operand(dY, dY.shape[1], 1), tk.Operand(W, r, 1),
+                  tk.Operand(dZ, dZ.shape[1], 1), groups, call="dz")
+    return dZ
+
+
+@grouped_up_dz_op.register_fake
+def _(dY, Bs):
+    return dY.new_empty(dY.shape[0], Bs[0].shape[1] * len(Bs))
+
+
+@torch.library.custom_op("boost::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, gamma: Tensor, eps: float, fwd: str,
+                bwd: str) -> tuple[Tensor, Tensor]:
+    """x (M, N), γ (N) -> y (M, N) in x's dtype, and 1/rms (M) fp32 for backward."""
+    x = x.contiguous()
+    M, N = x.shape
+    if fwd == "torch":
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1) + eps)           # (M,)
+        return (x.float() * rstd[:, None] * gamma.float()).to(x.dtype), rstd
+    y = torch.empty_like(x)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(N)
+    tk.rms_fwd[(triton.cdiv(M, tk.rows()),)](x, gamma, y, rstd, M, N, eps, ROWS=tk.rows(),
+                                             BLOCK=block, num_warps=tk.rms_warps(block))
+    return y, rstd
+
+
+@rms_norm_op.register_fake
+def _(x, gamma, eps, fwd, bwd):
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("boost::rms_norm_backward", mutates_args=())
+def rms_norm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor,
+                      bwd: str) -> tuple[Tensor, Tensor]:
+    """dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)), dγ = Σ_rows dy⊙x̂."""
+    dy, x = dy.contiguous(), x.contiguous()
+    M, N = x.shape
+    if bwd == "torch":
+        xhat, wdy = x.float() * rstd[:, None], dy.float() * gamma.float()
+        dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
+        return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(gamma.dtype)
+    dx = torch.empty_like(x)
+    grid = (triton.cdiv(M, tk.rows()),)
+    dg = torch.empty(grid[0], N, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(N)
+    tk.rms_bwd[grid](dy, x, gamma, rstd, dx, dg, M, N, ROWS=tk.rows(), BLOCK=block,
+                     num_warps=tk.rms_warps(block, backward=True))
+    return dx, dg.sum(0).to(gamma.dtype)
+
+
+@rms_norm_backward.register_fake
+def _(dy, x, gamma, rstd, bwd):
+    return torch.empty_like(x), torch.empty_like(gamma)
+
+
+def _rms_norm_save(ctx, inputs, output):
+    x, gamma, _, _, ctx.bwd = inputs
+    ctx.save_for_backward(x, gamma, output[1])
+
+
+def _rms_norm_grad(ctx, dy, _):
+    x, gamma, rstd = ctx.saved_tensors
+    return *rms_norm_backward(dy, x, gamma, rstd, ctx.bwd), None, None, None
+
+
+rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_save)
