@@ -311,7 +311,10 @@ def loop(run, iter_num, flops_per_token, interrupt):
     world_rank = dist.get_rank() if dist.is_initialized() else 0
     profiler = rundir.profiler(tc.profile, tc.out_dir, world_rank, log, tc.max_iters - iter_num)
     interrupt.armed = True
-    t_start = t0 = time.time()
+    # a log line's ms: from the last synchronised log step (or evaluation's end) to this one,
+    # divided by the steps between (the host runs ahead of the device by queued steps)
+    t_start = t_log = time.time()
+    since_log = 0
     while True:
         lr = get_lr(iter_num, tc)
         for group in run.optimizer.param_groups:   # (Muon's: its own peak, scaled alike)
@@ -327,7 +330,8 @@ def loop(run, iter_num, flops_per_token, interrupt):
             if iter_num > 0:
                 crash = rundir.fault_at(tc, "kill_in_save", iter_num)
                 save_checkpoint(run, iter_num, (lambda: os._exit(1)) if crash else None)
-            t0 = time.time()  # evaluation is not training time
+            t_log, since_log = rundir.clock(run.place.device), 0   # (not training time)
+            rundir.reset_peak_memory(run.place.device)
         last_rank = int(os.environ.get("RANK", "0")) == run.place.world - 1
         if rundir.fault_at(tc, "kill", iter_num) and last_rank:
             os._exit(1)  # a rank dies mid-run; torchrun --max-restarts restarts the group
@@ -339,12 +343,13 @@ def loop(run, iter_num, flops_per_token, interrupt):
         loss_sum = train_step(run, iter_num)
         if profiler:
             profiler.step()
-        logging = iter_num % tc.log_interval == 0 or bool(record)
-        t1 = rundir.clock(run.place.device, logging)   # (log steps: after the device's work)
-        dt, t0 = t1 - t0, t1
-        if logging:
-            log_step(run, iter_num, lr, loss_sum, dt, t1 - t_start, start_iter, flops_per_token,
-                     record)
+        since_log += 1
+        if iter_num % tc.log_interval == 0 or record:
+            t1 = rundir.clock(run.place.device)   # (after the device's queued work)
+            log_step(run, iter_num, lr, loss_sum, (t1 - t_log) / since_log, t1 - t_start,
+                     start_iter, flops_per_token, record)
+            t_log, since_log = t1, 0
+            rundir.reset_peak_memory(run.place.device)   # (each line: its own steps' peak)
         iter_num += 1
         signum = interrupt.agreed(run.place.host_group)
         if signum:  # every rank finished this step: save it, say how to go on, stop

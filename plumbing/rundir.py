@@ -257,19 +257,38 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def clock(device, synchronized):
-    """time.time(), after the device's queued work when `synchronized` (a log step, whose time,
-    tokens/s and MFU are the device's: the host is otherwise ahead of it by queued steps)."""
-    if synchronized:
-        synchronize(device)
+def clock(device):
+    """time.time() after the device's queued work: a log step's time, tokens/s and MFU are the
+    device's (the host is otherwise ahead of it by queued steps). Read at log steps only."""
+    synchronize(device)
     return time.time()
 
 
 def peak_memory_gb(device):
-    """This rank's peak memory: CUDA max allocated on a GPU, peak resident set size elsewhere."""
+    """This rank's peak memory since reset_peak_memory: CUDA max allocated on a GPU, the resident
+    set's high-water mark elsewhere (Linux's VmHWM; the process's whole life where there is no
+    /proc)."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as fh:
+            hwm = next(line for line in fh if line.startswith("VmHWM:"))
+        return int(hwm.split()[1]) * 1024 / 1e9   # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+
+
+def reset_peak_memory(device):
+    """The next peak_memory_gb starts from now: a log line reports its own steps' peak, not
+    evaluation's or the kernels' timing's (Linux resets VmHWM through /proc/self/clear_refs)."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def duration(seconds):

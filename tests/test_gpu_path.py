@@ -233,16 +233,46 @@ def test_evaluation_runs_the_uncompiled_model(tmp_path, data_dir, monkeypatch):
     assert calls == [True, True], calls   # the two training steps, no evaluation
 
 
-def test_a_log_step_is_timed_after_the_device_is_synchronised(tmp_path, data_dir, monkeypatch):
-    """A step's time, tokens/s and MFU at a log step are the device's: the clock is read after the
-    device's queued work (rundir.clock), and only at log steps (no wait on the others)."""
+def test_a_log_line_times_its_steps_between_synchronised_clocks(tmp_path, data_dir, monkeypatch):
+    """A log line's ms is the time from the last synchronised log step (or evaluation's end) to
+    this one, divided by the steps between: with log_interval=3 the steps queued before the clock
+    are counted in the interval, not in one step. Clocks are read at log steps and after
+    evaluation only, each after the device's work (time stood in for: 1 s a training step)."""
     from plumbing import rundir
-    events, clock = [], rundir.clock
+    events, now = [], [0.0]
     monkeypatch.setattr(rundir, "synchronize", lambda device: events.append("sync"))
-    monkeypatch.setattr(rundir, "clock", lambda device, s: (events.append(f"clock {s}"), clock(device, s))[1])
-    train.main([f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=4", "--log_interval=2",
-                "--eval_interval=100", "--sample_tokens=0"])
-    assert events == ["clock True", "sync", "clock False", "clock True", "sync", "clock False"], events
+    monkeypatch.setattr(train.time, "time", lambda: now[0])
+    step = train.train_step
+
+    def one_second(run, iter_num):
+        now[0] += 1.0
+        events.append(f"step {iter_num}")
+        return step(run, iter_num)
+    monkeypatch.setattr(train, "train_step", one_second)
+    train.main([f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=7",
+                "--log_interval=3", "--eval_interval=100", "--sample_tokens=0"])
+    assert events == ["sync", "step 0", "sync", "step 1", "step 2", "step 3", "sync", "step 4",
+                      "step 5", "step 6", "sync", "sync"], events   # (the last: iteration 7's eval)
+    from conftest import metrics
+    ms = {r["iter"]: r["ms"] for r in metrics(tmp_path) if "ms" in r}
+    assert ms == {0: 1000.0, 3: 1000.0, 6: 1000.0}, ms
+
+
+def test_a_log_line_reports_its_own_steps_peak_memory(monkeypatch):
+    """The peak is reset after each log line and evaluation: on a CPU through Linux's
+    /proc/self/clear_refs (VmHWM), on a GPU CUDA's counter."""
+    from plumbing import rundir
+    big = torch.ones(64 << 20, dtype=torch.uint8)   # 64 MB touched
+    big += 1
+    before = rundir.peak_memory_gb("cpu")
+    del big
+    rundir.reset_peak_memory("cpu")
+    after = rundir.peak_memory_gb("cpu")
+    assert before - after > 0.05, (before, after)
+    reset = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset.append)
+    rundir.reset_peak_memory("cuda:0")
+    assert reset == ["cuda:0"]
 
 
 def test_gpu_check_cpu_says_in_one_line_when_the_interpreter_cannot_run(monkeypatch):
