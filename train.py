@@ -126,7 +126,7 @@ def train(plan, argv, resume, interrupt):
         f"dp={plan.dp} pp={tc.pp} tp={tc.tp}" + (f" ({plan.layout})" if tc.tp > 1 else "") +
         (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}")
-    log(placement.sizing_line(cfg, tc, n_params, place))
+    log(placement.sizing_line(cfg, tc, n_params, place, plan.dtype))
     run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num,
                                        tc.tensorboard, run.tokens_per_iter)
     signum = loop(run, iter_num, flops_per_token, interrupt)

@@ -108,20 +108,25 @@ def wrap(raw_model, tc, place, n_micro, warm=None):
     return model, None
 
 
-ACTIVATION_BYTES = 34 * 4   # saved and transient bytes a token, a layer, a unit of width (measured)
+# values saved and transient a token, a layer, a unit of width, and a token's logits per vocabulary
+# entry, each in the run's compute dtype (measured on this project's models in fp32; bf16 autocast
+# measured at 0.51 of fp32's activations, d=256 and 512)
+ACTIVATION_VALUES, LOGIT_VALUES = 34, 3
 
 
-def footprint(cfg, tc, n_params, place):
+def footprint(cfg, tc, n_params, place, dtype="float32"):
     """(estimated peak bytes of one rank: {"state", "activations", "logits"}, bytes one rank of this
     machine may use). State: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter,
-    cut by tp and pp (and dp under --dp_shard); activations ≈ 34·d·4 bytes a token a layer, and the
-    logits with their softmax and gradient, 3·V·4 bytes a token, of a micro-batch: both measured
-    on this project's models (within 15% of the peak RSS of d=256..512, V=320..50304)."""
-    tokens = tc.batch_size * cfg.block_size
+    cut by tp and pp (and dp under --dp_shard); activations ≈ 34·d values a token a layer, and the
+    logits with their softmax and gradient, 3·V values a token, of a micro-batch, each value in the
+    compute dtype's bytes (4 in fp32, 2 under bf16 autocast): measured on this project's models
+    (fp32 within 15% of the peak RSS of d=256..512, V=320..50304)."""
+    tokens, size = tc.batch_size * cfg.block_size, getattr(torch, dtype).itemsize
     shard = tc.tp * tc.pp * (place.dp if tc.dp_shard != "none" else 1)
     parts = {"state": 16 * n_params / shard,
-             "activations": ACTIVATION_BYTES * cfg.n_embd * tokens * cfg.n_layer / (tc.tp * tc.pp),
-             "logits": 3 * 4 * cfg.vocab_size * tokens / tc.tp}
+             "activations": ACTIVATION_VALUES * size * cfg.n_embd * tokens * cfg.n_layer /
+             (tc.tp * tc.pp),
+             "logits": LOGIT_VALUES * size * cfg.vocab_size * tokens / tc.tp}
     if place.device.startswith("cuda"):
         machine = torch.cuda.get_device_properties(place.device).total_memory
     else:
@@ -130,11 +135,12 @@ def footprint(cfg, tc, n_params, place):
     return parts, machine
 
 
-def sizing_line(cfg, tc, n_params, place):
+def sizing_line(cfg, tc, n_params, place, dtype="float32"):
     """One line a run starts with: the share of the parameters in the embedding and head, and the
-    estimated peak memory of a rank against what this machine has for it (a warning above 90%)."""
+    estimated peak memory of a rank in the run's compute dtype against what this machine has for
+    it (a warning above 90%)."""
     emb = cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
-    parts, machine = footprint(cfg, tc, n_params, place)
+    parts, machine = footprint(cfg, tc, n_params, place, dtype)
     need = sum(parts.values())
     line = (f"sizing: the embedding{'' if cfg.tie_embeddings else ' and head'} hold "
             f"{100 * emb / n_params:.0f}% of the parameters (vocabulary {cfg.vocab_size:,} × "

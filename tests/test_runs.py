@@ -298,6 +298,8 @@ def test_the_start_says_where_the_parameters_and_memory_go(monkeypatch):
     tokens = tc.batch_size * cfg.block_size
     assert parts == {"state": 16 * n_params, "logits": 12 * 50304 * tokens,
                      "activations": 136 * cfg.n_embd * tokens * cfg.n_layer}
+    bf16, _ = placement.footprint(cfg, tc, n_params, one, "bfloat16")   # values of 2 bytes
+    assert bf16 == {**parts, "logits": parts["logits"] / 2, "activations": parts["activations"] / 2}
     assert "MORE THAN IT HAS" not in line
     monkeypatch.setattr(os, "sysconf", lambda name: 1024 if name == "SC_PHYS_PAGES" else 4096)   # 4 MB
     assert "of the 0.0 GB this machine has for it; MORE THAN IT HAS: lower --batch_size" in \
