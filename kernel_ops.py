@@ -60,7 +60,7 @@ def norm_down_backward(dH: Tensor, dS: Tensor, x: Tensor, gamma: Tensor, A: Tens
     dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)  # a row
     # block each; K blocks the fast axis: the programs running together share their dH row block
     grid = lambda META: (triton.cdiv(K, META["BK"]), triton.cdiv(M, META["BM"]))
-    tk.launcher("norm_down_dx", A)[grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
+    tk.launcher("norm_down_dx", A, x)[grid](dH, A, x, gamma, dS, dx, dg, M, N, K, dH.stride(0),
                                          A.stride(0), x.stride(0), tk.bucket(M), UPCAST=up,
                                          IEEE=ieee)
     return dx, dg.sum(0).to(gamma.dtype), dA

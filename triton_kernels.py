@@ -34,6 +34,11 @@ GEMM_CONFIGS = {
     (90, 16): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 3)],
     (80, 32): [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 2)],
     (90, 32): [(64, 64, 32, 4, 2), (64, 32, 32, 4, 2), (32, 64, 32, 4, 2), (64, 64, 16, 4, 2)],
+    # norm_down's input gradient under bf16 autocast: bf16 A and dH beside the fp32 residual x and
+    # its gradient dx, whose tiles 128x128 cannot hold in registers (120 B spilled on sm_90, 8 B on
+    # sm_80, tools/gpu_compile.py's "mixed" rows)
+    (80, "x32"): [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 4)],
+    (90, "x32"): [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 3)],
 }
 INTERPRETER_CONFIG = (32, 32, 32, 1, 1)
 ROWS_CONFIG = {"ROWS": 16}   # RMSNorm: rows per program (4 under the interpreter); warps: rms_warps
@@ -50,7 +55,8 @@ def arch(device=None):
 
 
 def gemm_configs(names, bits, arch_):
-    """triton.Configs over the block names, e.g. ("BM", "BN", "BK"), for inputs of `bits` (16 or 32)
+    """triton.Configs over the block names, e.g. ("BM", "BN", "BK"), for inputs of `bits` (16, 32,
+    "x32")
     on GPUs of architecture arch_ (80 or 90; None: the interpreter's one configuration)."""
     rows = [INTERPRETER_CONFIG] if arch_ is None else GEMM_CONFIGS[(arch_, bits)]
     return [triton.Config(dict(zip(names, r[:3])), num_warps=r[3], num_stages=r[4]) for r in rows]
@@ -243,13 +249,17 @@ def tuner(name, bits_, arch_):
                            **options)(fn)
 
 
-def launcher(name, t):
-    """The autotuned kernel `name` for t's width on t's device, made at its first launch there."""
-    return tuner(name, bits(t), arch(t.device) if t.is_cuda else None)
+def launcher(name, t, residual=None):
+    """The autotuned kernel `name` for t's width (and an fp32 residual's beside 16-bit t) on t's
+    device, made at its first launch there."""
+    return tuner(name, bits(t, residual), arch(t.device) if t.is_cuda else None)
 
 
-def bits(t):
-    return 32 if t.dtype == torch.float32 else 16
+def bits(t, residual=None):
+    """GEMM_CONFIGS' width key: 32 or 16, or "x32" for 16-bit t beside an fp32 residual."""
+    if t.dtype == torch.float32:
+        return 32
+    return "x32" if residual is not None and residual.dtype == torch.float32 else 16
 
 
 def bucket(n):

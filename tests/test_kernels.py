@@ -168,7 +168,8 @@ def _nvidia_backend():
 @pytest.mark.skipif(not _nvidia_backend(), reason="this Triton install has no NVIDIA backend (no ptxas to compile with)")
 def test_kernels_compile_for_a100_and_h100_without_spills():
     """Every kernel with every tile configuration of triton_kernels.GEMM_CONFIGS, for sm_80 (A100) and
-    sm_90 (H100/H200), bf16 and fp32, compiled to PTX and cubin here (gpu_compile.py): bf16 GEMMs use
+    sm_90 (H100/H200), bf16 and fp32, and norm_down as bf16 autocast launches it (fp32 residual),
+    compiled to PTX and cubin here (gpu_compile.py): bf16 GEMMs use
     the tensor cores (mma.sync on sm_80, wgmma on sm_90) and no kernel spills registers."""
     import triton_kernels as tk
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_compile.py"), "--json"], cwd=ROOT, capture_output=True,
@@ -184,6 +185,10 @@ def test_kernels_compile_for_a100_and_h100_without_spills():
                 assert r["spill_bytes"] == 0, r
                 if r["gemm"] and dtype == "bf16":
                     assert (r["wgmma"] if sm == 90 else r["mma"]), r
+        # bf16 autocast's norm_down: fp32 x, γ, dx beside bf16 A, H, dH (its dx on the x32 list)
+        mixed = [r for r in rows if r["sm"] == sm and r["dtype"] == "mixed"]
+        assert len(mixed) == len(tk.GEMM_CONFIGS[(sm, 16)]) + len(tk.GEMM_CONFIGS[(sm, "x32")]), mixed
+        assert all(r["spill_bytes"] == 0 and (r["wgmma"] if sm == 90 else r["mma"]) for r in mixed), mixed
 
 
 @pytest.mark.parametrize("recompute", ["lowrank", "layer"])

@@ -29,6 +29,9 @@ from triton.compiler import ASTSource  # noqa: E402
 import triton_kernels as tk  # noqa: E402
 
 F32 = ("s_ptr", "ds_ptr", "dg_ptr", "rstd_ptr", "eps")   # always fp32
+# bf16 autocast training's norm_down: the fp32 residual x, its gain γ and gradient dx beside bf16
+# A, H and dH ("mixed": the signature training launches, kernels.norm_down)
+MIXED_F32 = ("x_ptr", "g_ptr", "dx_ptr")
 I32 = ("meta_ptr",)
 # the GEMM-shaped kernels and their block names, as the autotuners name them
 GEMMS = {name: blocks for name, (_, blocks, _, _) in tk.KERNELS.items()}
@@ -40,7 +43,8 @@ GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq")}
 
 
 def signature(fn, dtype, ones=()):
-    """Triton's signature of fn with its tensors in `dtype` ("bf16" or "fp32") and the arguments in
+    """Triton's signature of fn with its tensors in `dtype` ("bf16", "fp32", or "mixed": bf16 but
+    the fp32 MIXED_F32) and the arguments in
     `ones` equal to 1, and its attributes as the JIT gives them for aligned shapes: every pointer
     and every other integer divisible by 16."""
     sig, attrs = {}, {}
@@ -48,12 +52,12 @@ def signature(fn, dtype, ones=()):
         name = param.name
         if param.is_constexpr or name in ones:
             sig[name] = "constexpr"
-        elif name in F32:
+        elif name in F32 or (dtype == "mixed" and name in MIXED_F32):
             sig[name] = "*fp32" if name.endswith("_ptr") else "fp32"
         elif name in I32:
             sig[name] = "*i32"
         elif name.endswith("_ptr"):
-            sig[name] = f"*{dtype}"
+            sig[name] = "*bf16" if dtype == "mixed" else f"*{dtype}"
         else:
             sig[name] = "i32"
         if sig[name] != "constexpr" and name != "eps":
@@ -89,6 +93,12 @@ def cases():
                                        else [("", ())]):
                         consts = {**const, **({"G": 3} if ones else {}), **{o: 1 for o in ones}}
                         yield cap, dtype, name, call, consts, cfg.num_warps, cfg.num_stages
+            for name in ("norm_down_fwd", "norm_down_dx") if bits == 16 else ():
+                # (the list triton_kernels.launcher picks for an fp32 residual beside bf16 A)
+                mixed = "x32" if name == "norm_down_dx" else 16
+                for cfg in tk.gemm_configs(GEMMS[name], mixed, cap):
+                    yield (cap, "mixed", name, "", dict(cfg.kwargs, UPCAST=False), cfg.num_warps,
+                           cfg.num_stages)
             for name in ("rms_fwd", "rms_bwd"):
                 # d ≤ 4096 (up to 7B), and the 13B and 30B models' 5120, 6656
                 for block in (4096, 8192):
