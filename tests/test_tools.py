@@ -113,14 +113,17 @@ def test_gpu_check_runs_its_steps_on_a_cpu(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert {k: v["status"] for k, v in summary.items()} == {"env": "ok", "kernels": "ok", "train": "ok", "bench": "skipped"}
-    assert summary["kernels"]["passed"] == 12 and summary["kernels"]["failed"] == 0
+    assert {k: v["status"] for k, v in summary.items()} == {"env": "ok", "kernels": "ok", "train": "ok", "tp": "ok",
+                                                            "bench": "skipped"}
+    assert summary["kernels"]["passed"] == 16 and summary["kernels"]["failed"] == 0   # 12 ragged, 4 training's
+    assert summary["env"]["launcher_build"].startswith("launcher build: C compiler ")
+    assert summary["tp"]["failed"] == 0 and summary["tp"]["grad"] < 1e-4
     assert set(summary["train"]["compared"]) == {"triton-float32 vs torch-float32", "resumed-float32 vs triton-float32",
                                                  "lowrank-float32 vs triton-float32"}
-    assert "summary: env ok; kernels ok; train ok; bench skipped" in res.stdout
+    assert "summary: env ok; kernels ok; train ok; tp ok; bench skipped" in res.stdout
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]   # as they came
-    assert {r["step"] for r in rows} == {"env", "kernels", "train", "bench"}
-    assert sum("ok   float32" in r["line"] for r in rows) == 6 and [r["s"] for r in rows] == sorted(r["s"] for r in rows)
+    assert {r["step"] for r in rows} == {"env", "kernels", "train", "tp", "bench"}
+    assert sum("ok   float32" in r["line"] for r in rows) == 8 and [r["s"] for r in rows] == sorted(r["s"] for r in rows)
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "-h"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--budget_s" in res.stdout
 
@@ -136,3 +139,37 @@ def test_fsdp_cost_model_orders_memory_and_time():
     assert abs(alone[2] - 3 * 15 / 16 * params * 2 / costmodel_fsdp.HARDWARE["A100"].network) < 1e-9
     text, out = costmodel_fsdp.report()
     assert len(out) == 5 * 4 and "| 30B | BTP + DP (t=4, none) |" in text
+
+
+def test_gpu_check_slots_fit_its_budget_and_say_what_builds_launchers(monkeypatch):
+    """The steps' slots add up to the default budget or less (under 8 minutes); the env step's line
+    names what Triton 3.6 builds its launchers with, or what is missing."""
+    import shutil
+    import gpu_check
+    assert sum(gpu_check.STEPS.values()) <= 475 < 480 and list(gpu_check.STEPS)[-1] == "bench"
+    assert gpu_check.launcher_build().startswith("launcher build: C compiler ")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert gpu_check.launcher_build().startswith("launcher build: MISSING a C compiler")
+
+
+def test_bench_gpu_puts_colas_steps_first_and_skips_what_would_pass_the_deadline(monkeypatch):
+    """gpu_check's bench: the step rows before the kernel rows, CoLA's eager and compiled first, the
+    other archs eager; a row whose estimate (ROW_S) does not fit what is left is a line, not a row
+    cut off (the measurements stood in for: they need CUDA)."""
+    import time
+    import bench_gpu
+    rows = []
+    monkeypatch.setattr(bench_gpu, "matmul_peak", lambda device: 100.0)
+    monkeypatch.setattr(bench_gpu, "head_ms", lambda cfg, device, tokens: 1.0)
+    monkeypatch.setattr(bench_gpu, "train_step", lambda cfg, device, compile_: (
+        rows.append(f"{cfg.arch} {compile_}"), {"ms": 2.0, "tokens_per_s": 1.0, "peak_gb": 0.0})[1])
+    monkeypatch.setattr(bench_gpu, "measure_op", lambda op, shapes, flops, impl, device, dtype: (
+        rows.append(f"kernel {op}"), {"fwd_ms": 1.0, "fwd_bwd_ms": 2.0})[1])
+    text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 1000, compiled=("cola",), steps_first=True)
+    steps = [r for r in rows if not r.startswith("kernel")]
+    assert steps == ["cola False", "cola True", "full False", "svd False"], rows
+    assert rows.index("svd False") < rows.index("kernel norm_down")
+    rows.clear()
+    text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 50, compiled=("cola",), steps_first=True)
+    assert "cola True" not in rows and "cola False" in rows and "skipped cola compiled step: " in text

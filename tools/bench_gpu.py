@@ -157,7 +157,22 @@ def fresh_peak(device):
         torch.cuda.reset_peak_memory_stats()
 
 
-def kernel_rows(device, dtype, emit):
+# what a row may take on a cold cache, seconds (estimates for one H100/H200: CUDA and Triton warm
+# from the earlier steps, a compiled row inductor's cold compile of a few layers): a row that would
+# pass the deadline is skipped with a line instead of being cut off mid-way
+ROW_S = {"kernel": 5, "eager": 15, "compiled": 90}
+
+
+def fits(kind, deadline, emit, what):
+    """True when a row of `kind` fits before the deadline (None: no deadline); else a line."""
+    left = float("inf") if deadline is None else deadline - time.time()
+    if left >= ROW_S[kind]:
+        return True
+    emit(f"skipped {what}: {left:.0f} s left of the budget, the row takes up to {ROW_S[kind]} s")
+    return False
+
+
+def kernel_rows(device, dtype, emit, deadline=None):
     """The kernels at the 1B and 7B TP=4 slices, forward and backward apart (backward = forward +
     backward less forward, medians): Triton ms, the PyTorch reference's (cuBLAS) ms, their ratio."""
     emit("| shape | op | fwd Triton ms | fwd torch ms | torch/Triton | bwd Triton ms | "
@@ -165,6 +180,8 @@ def kernel_rows(device, dtype, emit):
     emit("|---|---|---|---|---|---|---|---|")
     for name, cfg in shapes().items():
         for label, op, input_shapes, flops in kernel_cases(cfg):
+            if not fits("kernel", deadline, emit, f"{name} {label}"):
+                continue
             fresh_peak(device)
             r = {impl: measure_op(op, input_shapes, flops, impl, device, dtype)
                  for impl in ("triton", "torch")}
@@ -178,10 +195,10 @@ def kernel_rows(device, dtype, emit):
                  f"{r['torch']['bwd_ms'] / r['triton']['bwd_ms']:.2f} |", row)
 
 
-def step_rows(device, n_layer, peak, emit):
-    """One training step of the 1B shape at n_layer layers, each arch, compile off and on; the
-    layers' time is the step's less the head's (measured alone): at few layers the tied head is
-    most of CoLA's matmul weights."""
+def step_rows(device, n_layer, peak, emit, deadline=None, compiled=("cola", "full", "svd")):
+    """One training step of the 1B shape at n_layer layers, each arch (CoLA first: the rows that
+    matter), eager and, for the archs in `compiled`, compiled; the layers' time is the step's less
+    the head's (measured alone): at few layers the tied head is most of CoLA's matmul weights."""
     from model import Llama
     base = shapes()["1b"]
     cfg0 = type(base)(**{**base.shape(), "vocab_size": 32000})
@@ -191,13 +208,16 @@ def step_rows(device, n_layer, peak, emit):
          f"forward and backward): {head:.1f} ms", {"head_ms": head})
     emit("| arch | compile | ms | layers ms (less the head) | tokens/s | MFU | peak GB |")
     emit("|---|---|---|---|---|---|---|")
-    for arch in ("full", "svd", "cola"):
+    for arch in ("cola", "full", "svd"):
         cfg = type(base)(**{**base.shape(), "arch": arch, "n_layer": n_layer, "vocab_size": 32000,
                             "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
         with torch.device("meta"):
             # counted from the matrices
             flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)
-        for compile_ in (False, True):
+        for compile_ in (False, True) if arch in compiled else (False,):
+            what = f"{arch} {'compiled' if compile_ else 'eager'} step"
+            if not fits("compiled" if compile_ else "eager", deadline, emit, what):
+                continue
             fresh_peak(device)
             r = train_step(cfg, device, compile_)
             r["mfu"] = flops_per_token * r["tokens_per_s"] / (peak * 1e12)
@@ -207,9 +227,12 @@ def step_rows(device, n_layer, peak, emit):
                  {"arch": arch, "compile": compile_, **r})
 
 
-def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None):
+def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None, deadline=None,
+        compiled=("cola", "full", "svd"), steps_first=False):
     """Both tables, each row printed (log) and appended to rows_path (JSON Lines) as it is
-    measured, so that a run stopped by a timeout keeps its rows; returns (markdown, results)."""
+    measured, so that a run stopped by a timeout keeps its rows; returns (markdown, results).
+    With a deadline (time.time()'s), each row starts only where it fits (ROW_S); gpu_check puts
+    the step table first (steps_first) and compiles CoLA's step alone."""
     import kernels
     kernels.select("auto", device)
     out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
@@ -229,9 +252,11 @@ def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None):
     out["matmul_peak_tflops"] = peak = matmul_peak(device)
     emit(f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak "
          f"measured: {peak:.0f} TFLOP/s", {"matmul_peak_tflops": peak})
-    kernel_rows(device, torch.bfloat16, emit)
-    emit("")
-    step_rows(device, n_layer, peak, emit)
+    tables = [lambda: kernel_rows(device, torch.bfloat16, emit, deadline),
+              lambda: step_rows(device, n_layer, peak, emit, deadline, compiled)]
+    for table in (tables[::-1] if steps_first else tables):
+        table()
+        emit("")
     text = "\n".join(lines)
     if json_path:
         with open(json_path, "w") as fh:

@@ -3,9 +3,10 @@ PyTorch reference, forward and backward, on the device it runs on.
 
 BOOST (arXiv 2512.12131) sections 3-4 (online RMSNorm fused with the down-projection, the grouped
 up-projections, RMSNorm). Each tile configuration of triton_kernels.GEMM_CONFIGS is forced in turn
-(the autotuners get a list of one) on ragged shapes, bf16 and fp32; then the TP=4 slices of BOOST's
-1B and 7B shapes go through the real autotuners in bf16. Both sides get the same inputs rounded to
-the dtype; the reference computes in fp32, and the error is the largest difference relative to the
+(the autotuners get a list of one) on ragged shapes, bf16 and fp32; then the calls training makes
+besides (TRAINING: bf16 autocast's norm_down on the fp32 residual, CopyUp's backward halves); then
+the TP=4 slices of BOOST's 1B and 7B shapes go through the real autotuners in bf16. Both sides get
+the same inputs rounded to the dtype; the reference computes in fp32, and the error is the largest difference relative to the
 largest reference value, for the outputs and for every input's gradient. On a CPU it runs in
 Triton's interpreter (one configuration, small shapes), which is how the tests run it.
 """
@@ -14,6 +15,7 @@ import contextlib
 import torch
 
 import kernels
+import parallel
 import triton_kernels as tk
 
 # ragged on purpose: no size a multiple of a tile (M, K, N) or of a group's width
@@ -21,9 +23,16 @@ RAGGED = [("norm_down", [(77, 96), (96,), (40, 96)]), ("norm_down", [(130, 33), 
           ("grouped_up", [(77, 48), (40, 16), (24, 16), (24, 16)]),
           ("grouped_up", [(130, 40), (33, 20), (33, 20)]),
           ("rms_norm", [(77, 96), (96,)]), ("rms_norm", [(5, 5120), (5120,)])]
+# and the calls training makes besides, as it makes them: fp32 parameters and residual, under bf16
+# autocast for the bf16 pass: norm_down on the fp32 residual and gain beside A cast to bf16 (its
+# mixed signature), and parallel.CopyUp (--overlap) at a TP group of one, whose backward halves are
+# grouped_up_dz through Triton and the dB GEMMs
+TRAINING = [("norm_down", [(77, 96), (96,), (40, 96)]),
+            ("copy_up", [(77, 48), (40, 16), (24, 16), (24, 16)])]
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 FN = {"norm_down": lambda x, g, A: list(kernels.norm_down(x, g, A)),
       "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
+      "copy_up": lambda z, *Bs: list(parallel.CopyUp.apply(z, None, True, *Bs)),
       "rms_norm": lambda x, g: [kernels.rms_norm(x, g, 1e-6)]}
 
 
@@ -40,20 +49,24 @@ def outputs_and_grads(fn, inputs, upstream, impl):
     return [o.detach().float() for o in outs], [t.grad.float() for t in leaves]
 
 
-def compare(op, shapes, dtype, device, seed=0):
+def compare(op, shapes, dtype, device, seed=0, autocast=False):
     """(output error, gradient error) of the Triton path against the fp32 reference on the same
-    inputs."""
+    inputs (rounded to dtype); with autocast, fp32 inputs, the Triton side under `dtype`
+    autocast."""
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(s, generator=g) for s in shapes]
-    if op != "grouped_up":
+    if op in ("norm_down", "rms_norm"):
         base[1] = 1 + base[1].abs()   # a gain
     got = {}
-    for impl, dt in (("triton", dtype), ("torch", torch.float32)):
+    for impl, dt in (("triton", torch.float32 if autocast else dtype), ("torch", torch.float32)):
         up = torch.Generator().manual_seed(seed + 1)
-        got[impl] = outputs_and_grads(FN[op],
-                                      [b.to(dtype).to(device=device, dtype=dt) for b in base],
-                                      lambda outs: [torch.randn(o.shape, generator=up).to(device)
-                                                    for o in outs], impl)
+        on = autocast and impl == "triton"
+        with torch.autocast(torch.device(device).type, dtype=dtype, enabled=on):
+            got[impl] = outputs_and_grads(FN[op],
+                                          [b.to(dtype).to(device=device, dtype=dt) for b in base],
+                                          lambda outs: [torch.randn(o.shape,
+                                                                    generator=up).to(device)
+                                                        for o in outs], impl)
 
     def err(pairs):
         return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in pairs)
@@ -81,9 +94,9 @@ def forced(bits, device, i):
             t.cache.clear()
 
 
-def check(op, shapes, dtype, device, label, log):
+def check(op, shapes, dtype, device, label, log, autocast=False):
     """One comparison, logged as it comes; True when within TOL."""
-    out_err, grad_err = compare(op, shapes, dtype, device)
+    out_err, grad_err = compare(op, shapes, dtype, device, autocast=autocast)
     ok = max(out_err, grad_err) <= TOL[dtype]
     log(f"{'ok  ' if ok else 'FAIL'} {label} {op} {'x'.join(map(str, shapes[0]))}: output "
         f"{out_err:.1e}, gradients {grad_err:.1e} (tolerance {TOL[dtype]:.0e})")
@@ -101,6 +114,9 @@ def run(device, log, real_shapes=True):
                 tiles = "x".join(str(v) for v in config.kwargs.values())
                 label = f"{str(dtype)[6:]} {tiles} w{config.num_warps} s{config.num_stages}"
                 results += [check(op, shapes, dtype, device, label, log) for op, shapes in RAGGED]
+        on = dtype != torch.float32
+        label = f"{str(dtype)[6:]} training's call{' (fp32 weights, autocast)' if on else ''}"
+        results += [check(op, shapes, dtype, device, label, log, on) for op, shapes in TRAINING]
         if real_shapes and dtype == torch.bfloat16:   # (what a GPU trains in; fp32 above)
             import bench_gpu
             for name, cfg in bench_gpu.shapes().items():
