@@ -42,6 +42,7 @@ class Config:
     n_kv_head: int = 0       # 0: same as n_head (no grouped-query attention)
     n_embd: int = 128
     mlp_width: int = 0       # d_ff; 0: 8/3 * n_embd rounded up to a multiple of 32
+    mlp_multiple_of: int = 1  # d_ff rounded up to a multiple of this (8·tp: aligned bf16 strides)
     attn_rank: int = 0       # r of q, k, v, o; 0: n_embd // 4
     mlp_rank: int = 0        # r of gate, up, down; 0: n_embd // 4
     block_size: int = 128    # the longest sequence (RoPE table size)
@@ -58,6 +59,9 @@ class Config:
         """Fill the 0 = automatic fields, then reject shapes that cannot be built (ValueError)."""
         self.n_kv_head = self.n_kv_head or self.n_head
         self.mlp_width = self.mlp_width or 32 * math.ceil(8 * self.n_embd / 3 / 32)
+        if self.mlp_multiple_of < 1:
+            raise ValueError(f"mlp_multiple_of={self.mlp_multiple_of} must be at least 1")
+        self.mlp_width = self.mlp_multiple_of * math.ceil(self.mlp_width / self.mlp_multiple_of)
         self.attn_rank = self.attn_rank or max(1, self.n_embd // 4)
         self.mlp_rank = self.mlp_rank or max(1, self.n_embd // 4)
         if self.arch not in ARCHS:

@@ -159,17 +159,19 @@ def test_bench_gpu_puts_colas_steps_first_and_skips_what_would_pass_the_deadline
     cut off (the measurements stood in for: they need CUDA)."""
     import time
     import bench_gpu
-    rows = []
+    rows, widths = [], []
     monkeypatch.setattr(bench_gpu, "matmul_peak", lambda device: 100.0)
     monkeypatch.setattr(bench_gpu, "head_ms", lambda cfg, device, tokens: 1.0)
     monkeypatch.setattr(bench_gpu, "train_step", lambda cfg, device, compile_: (
-        rows.append(f"{cfg.arch} {compile_}"), {"ms": 2.0, "tokens_per_s": 1.0, "peak_gb": 0.0})[1])
+        rows.append(f"{cfg.arch} {compile_}"), widths.append(cfg.mlp_width),
+        {"ms": 2.0, "tokens_per_s": 1.0, "peak_gb": 0.0})[2])
     monkeypatch.setattr(bench_gpu, "measure_op", lambda op, shapes, flops, impl, device, dtype: (
         rows.append(f"kernel {op}"), {"fwd_ms": 1.0, "fwd_bwd_ms": 2.0})[1])
     text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 1000, compiled=("cola",), steps_first=True)
     steps = [r for r in rows if not r.startswith("kernel")]
-    assert steps == ["cola False", "cola True", "full False", "svd False"], rows
+    assert steps == ["cola False", "cola True", "full False", "svd False", "cola False", "cola False"], rows
     assert rows.index("svd False") < rows.index("kernel norm_down")
+    assert widths[-2:] == [5461, 5464]   # CoLA-1B's d_ff, and rounded by --mlp_multiple_of=8
     rows.clear()
     text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 50, compiled=("cola",), steps_first=True)
     assert "cola True" not in rows and "cola False" in rows and "skipped cola compiled step: " in text

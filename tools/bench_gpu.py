@@ -8,8 +8,8 @@ file as it is measured (a run cut short keeps its rows), then written to <json_d
    boost_7b.toml; M = 4·4096 tokens), Triton against the PyTorch reference (cuBLAS), forward and
    backward apart: ms of each and their ratio (torch/Triton: 1.0 = as fast as cuBLAS; the goal is
    at least 0.9).
-2. One training step (forward, backward, AdamW; bf16 autocast) of the 1B-shaped full, svd and cola
-   models on one GPU (`--n_layer`, default 8 of its 24 layers, keeps torch.compile short), compile
+2. One training step (forward, backward, AdamW; bf16 autocast) of the 1B-shaped cola, full and svd
+   models (and cola with CoLA-1B's d_ff of 5461, as it is and with --mlp_multiple_of=8) on one GPU (`--n_layer`, default 8 of its 24 layers, keeps torch.compile short), compile
    off and on: ms, the layers' ms (less the head, measured alone: at few layers the 32000-way tied
    head is most of CoLA's matmul weights), tokens/s, MFU against the measured bf16 matmul peak,
    peak memory (reset before each row).
@@ -208,9 +208,14 @@ def step_rows(device, n_layer, peak, emit, deadline=None, compiled=("cola", "ful
          f"forward and backward): {head:.1f} ms", {"head_ms": head})
     emit("| arch | compile | ms | layers ms (less the head) | tokens/s | MFU | peak GB |")
     emit("|---|---|---|---|---|---|---|")
-    for arch in ("cola", "full", "svd"):
-        cfg = type(base)(**{**base.shape(), "arch": arch, "n_layer": n_layer, "vocab_size": 32000,
-                            "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
+    # and CoLA-1B's own d_ff, 5461 (configs/cola_1b.toml): misaligned bf16 strides in the MLP's
+    # GEMMs, then rounded up to 5464 by --mlp_multiple_of=8 (eager only)
+    variants = [(arch, {"arch": arch, "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
+                for arch in ("cola", "full", "svd")]
+    variants += [("cola d_ff 5461", {"mlp_width": 5461}),
+                 ("cola d_ff 5461, mlp_multiple_of=8", {"mlp_width": 5461, "mlp_multiple_of": 8})]
+    for arch, change in variants:
+        cfg = type(base)(**{**base.shape(), "n_layer": n_layer, "vocab_size": 32000, **change})
         with torch.device("meta"):
             # counted from the matrices
             flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)
