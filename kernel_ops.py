@@ -93,11 +93,12 @@ def grouped_up_op(Z: Tensor, Bs: list[Tensor], fwd: str, bwd: str) -> Tensor:
         return torch.cat([zg @ B.to(Z.dtype).t() for zg, B in zip(Z.split(r, -1), Bs)], -1)
     widths = [B.shape[0] for B in Bs]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
-    W = torch.cat([B.to(Z.dtype) for B in Bs])                             # (Σn_g, r)
     Y = torch.empty(Z.shape[0], sum(widths), dtype=Z.dtype, device=Z.device)
-    groups = [tk.Group(P=Z.shape[0], Q=n, K=r, a_col=g * r, b_col=o, c_col=o)
+    groups = [tk.Group(P=Z.shape[0], Q=n, K=r, a_col=g * r, c_col=o)
               for g, (n, o) in enumerate(zip(widths, offsets))]
-    tk.grouped_mm(tk.Operand(Z, Z.shape[1], 1), tk.Operand(W, 1, r),
+    # each B_g (n_g, r) read where it lies, transposed by its strides, cast to Z's dtype in the
+    # kernel's registers: no stacked or cast copy of the weights a call
+    tk.grouped_mm(tk.Operand(Z, Z.shape[1], 1), [tk.Operand(B.contiguous(), 1, r) for B in Bs],
                   tk.Operand(Y, Y.stride(0), 1), groups, call="up")
     return Y
 
@@ -145,12 +146,11 @@ def grouped_up_dz_op(dY: Tensor, Bs: list[Tensor]) -> Tensor:
     dY, r = dY.contiguous(), Bs[0].shape[1]
     widths = [B.shape[0] for B in Bs]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
-    W = torch.cat([B.to(dY.dtype) for B in Bs])                            # (Σn_g, r)
     dZ = torch.empty(dY.shape[0], r * len(widths), dtype=dY.dtype, device=dY.device)
-    groups = [tk.Group(P=dY.shape[0], Q=r, K=n, a_col=o, b_row=o, c_col=g * r)
+    groups = [tk.Group(P=dY.shape[0], Q=r, K=n, a_col=o, c_col=g * r)
               for g, (n, o) in enumerate(zip(widths, offsets))]
-    tk.grouped_mm(tk.Operand(dY, dY.shape[1], 1), tk.Operand(W, r, 1),
-                  tk.Operand(dZ, dZ.shape[1], 1), groups, call="dz")
+    tk.grouped_mm(tk.Operand(dY, dY.shape[1], 1), [tk.Operand(B.contiguous(), r, 1) for B in Bs],
+                  tk.Operand(dZ, dZ.shape[1], 1), groups, call="dz")   # (each B where it lies)
     return dZ
 
 

@@ -142,15 +142,16 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
     tl.store(dg_ptr + pid_m.to(tl.int64) * K + rk, tl.sum(acc * x, axis=0), mask=rk < K)
 
 @triton.jit
-def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_cq, P_KEY, Q_KEY,
-                K_KEY,
-                CALL_KEY, G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+def _grouped_mm(a_ptr, b0_ptr, b1_ptr, b2_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp,
+                s_cq, P_KEY, Q_KEY, K_KEY, CALL_KEY, G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K
-    and the row and column offsets of A_g, B_g, C_g inside A, B, C; the programs take the groups'
-    tiles in order, each finding its group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest
-    group's sizes, rounded up to powers of two) and CALL_KEY (which of CALLS launched it: their
-    strides differ) are only the autotuner's key."""
+    and the row and column offsets of A_g, B_g, C_g inside A, B_g's own tensor (b0, b1, b2: the
+    Bs where they lie, G ≤ 3, read in their own dtype and cast to A's in registers, so nothing
+    stacks or casts them first), C; the programs take the groups' tiles in order, each finding its
+    group from the tile counts. P_KEY, Q_KEY, K_KEY (the largest group's sizes, rounded up to
+    powers of two) and CALL_KEY (which of CALLS launched it: their strides differ) are only the
+    autotuner's key."""
     t = tl.program_id(0)
     g = 0
     first = 0
@@ -168,11 +169,17 @@ def _grouped_mm(a_ptr, b_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp, s_c
     rq = ((t - first) % q_tiles) * BQ + tl.arange(0, BQ)
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + _at(tl.load(m + 3) + rp, tl.load(m + 4) + rk, s_ap, s_ak)
+    b_ptr = b0_ptr
+    if G > 1:
+        b_ptr = tl.where(g == 1, b1_ptr, b_ptr)
+    if G > 2:
+        b_ptr = tl.where(g == 2, b2_ptr, b_ptr)
     b_ptrs = b_ptr + _at(tl.load(m + 5) + rk, tl.load(m + 6) + rq, s_bk, s_bq)
     acc = tl.zeros((BP, BQ), dtype=tl.float32)
     for k0 in range(0, K, BK):  # the pointers advance by BK along K, as in Triton's matmul tutorial
         a = tl.load(a_ptrs, mask=(rp[:, None] < P) & (k0 + rk[None, :] < K), other=0.0)
         b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rq[None, :] < Q), other=0.0)
+        b = b.to(a.dtype)
         acc += _dot(a, b, UPCAST, IEEE)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
@@ -297,14 +304,21 @@ class Group(NamedTuple):
     c_col: int = 0
 
 
-def grouped_mm(A, B, C, groups, call):
-    """Launch _grouped_mm over the Groups of the Operands A, B, C. `call` names the caller's stride
-    pattern ("up", "dz"): the autotuner keeps tiles per call."""
+MAX_GROUPS = 3   # the Bs one grouped launch reads where they lie (q, k, v)
+
+
+def grouped_mm(A, Bs, C, groups, call):
+    """Launch _grouped_mm over the Groups of the Operands A, C and Bs (one Operand per group, each
+    its own tensor, all with the same strides). `call` names the caller's stride pattern ("up",
+    "dz"): the autotuner keeps tiles per call."""
+    assert 1 <= len(Bs) == len(groups) <= MAX_GROUPS, (len(Bs), len(groups))
     groups = tuple(tuple(g) for g in groups)
     up, ieee = dot_flags(A.t)
+    B = Bs[0]
+    b_ptrs = [b.t for b in Bs] + [B.t] * (MAX_GROUPS - len(Bs))   # (unused ones: any tensor)
     grid = lambda META: (sum(triton.cdiv(g[0], META["BP"]) * triton.cdiv(g[1], META["BQ"])
                              for g in groups),)
-    launcher("grouped_mm", A.t)[grid](A.t, B.t, C.t, _meta(groups, C.t.device),
+    launcher("grouped_mm", A.t)[grid](A.t, *b_ptrs, C.t, _meta(groups, C.t.device),
                                       A.s_outer, A.s_inner, B.s_outer, B.s_inner,
                                       C.s_outer, C.s_inner,
                                       *(bucket(max(g[i] for g in groups)) for i in range(3)),

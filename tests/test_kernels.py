@@ -185,9 +185,10 @@ def test_kernels_compile_for_a100_and_h100_without_spills():
                 assert r["spill_bytes"] == 0, r
                 if r["gemm"] and dtype == "bf16":
                     assert (r["wgmma"] if sm == 90 else r["mma"]), r
-        # bf16 autocast's norm_down: fp32 x, γ, dx beside bf16 A, H, dH (its dx on the x32 list)
+        # bf16 autocast's calls: norm_down's fp32 x, γ, dx beside bf16 A, H, dH (its dx on the x32
+        # list), the grouped GEMM's fp32 Bs read where they lie beside bf16 latents (up and dz)
         mixed = [r for r in rows if r["sm"] == sm and r["dtype"] == "mixed"]
-        assert len(mixed) == len(tk.GEMM_CONFIGS[(sm, 16)]) + len(tk.GEMM_CONFIGS[(sm, "x32")]), mixed
+        assert len(mixed) == 3 * len(tk.GEMM_CONFIGS[(sm, 16)]) + len(tk.GEMM_CONFIGS[(sm, "x32")]), mixed
         assert all(r["spill_bytes"] == 0 and (r["wgmma"] if sm == 90 else r["mma"]) for r in mixed), mixed
 
 
@@ -212,3 +213,31 @@ def test_auto_timing_inside_a_recompute_segment(capsys, recompute):
     assert "kernels: norm_down" in capsys.readouterr().out   # auto did time inside the segments
     for name, g in grads["torch"].items():
         torch.testing.assert_close(grads["auto"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
+    """The grouped GEMM's Triton launches (forward, its backward's dz, CopyUp's dz half) get the
+    parameters B_g themselves, fp32 under bf16 autocast, cast in the kernel's registers: no stacked
+    or cast copy of the weights a call (the launches spied on, run as they are); the result equals
+    the reference's."""
+    import parallel
+    import triton_kernels as tk
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 7, 48, generator=g, requires_grad=True)
+    Bs = [torch.randn(n, 16, generator=g, requires_grad=True) for n in (40, 24, 24)]
+    seen, launch = [], tk.grouped_mm
+    monkeypatch.setattr(tk, "grouped_mm", lambda A, ops, C, groups, call: (
+        seen.append((call, [o.t.data_ptr() for o in ops])), launch(A, ops, C, groups, call))[1])
+    for fn in (lambda: kernels.grouped_up(z, Bs), lambda: parallel.CopyUp.apply(z, None, True, *Bs)):
+        outs = {}
+        for impl in ("triton", "torch"):
+            with kernels.using(impl):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    ys = fn()
+                sum(y.float().pow(2).sum() for y in ys).backward()
+            outs[impl] = [y.float() for y in ys] + [z.grad.clone()] + [B.grad.clone() for B in Bs]
+            z.grad, *_ = None, [setattr(B, "grad", None) for B in Bs]
+        for got, want in zip(outs["triton"], outs["torch"]):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert [call for call, _ in seen] == ["up", "dz", "up", "dz"], seen
+    assert all(ptrs == [B.data_ptr() for B in Bs] for _, ptrs in seen), seen

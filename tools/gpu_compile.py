@@ -29,9 +29,10 @@ from triton.compiler import ASTSource  # noqa: E402
 import triton_kernels as tk  # noqa: E402
 
 F32 = ("s_ptr", "ds_ptr", "dg_ptr", "rstd_ptr", "eps")   # always fp32
-# bf16 autocast training's norm_down: the fp32 residual x, its gain γ and gradient dx beside bf16
-# A, H and dH ("mixed": the signature training launches, kernels.norm_down)
-MIXED_F32 = ("x_ptr", "g_ptr", "dx_ptr")
+# the signatures bf16 autocast training launches ("mixed"): norm_down with the fp32 residual x, its
+# gain γ and gradient dx beside bf16 A, H and dH; the grouped GEMM reading the fp32 Bs where they
+# lie beside bf16 latents (cast in registers)
+MIXED_F32 = ("x_ptr", "g_ptr", "dx_ptr", "b0_ptr", "b1_ptr", "b2_ptr")
 I32 = ("meta_ptr",)
 # the GEMM-shaped kernels and their block names, as the autotuners name them
 GEMMS = {name: blocks for name, (_, blocks, _, _) in tk.KERNELS.items()}
@@ -93,12 +94,15 @@ def cases():
                                        else [("", ())]):
                         consts = {**const, **({"G": 3} if ones else {}), **{o: 1 for o in ones}}
                         yield cap, dtype, name, call, consts, cfg.num_warps, cfg.num_stages
-            for name in ("norm_down_fwd", "norm_down_dx") if bits == 16 else ():
+            for name in GEMMS if bits == 16 else ():
                 # (the list triton_kernels.launcher picks for an fp32 residual beside bf16 A)
                 mixed = "x32" if name == "norm_down_dx" else 16
                 for cfg in tk.gemm_configs(GEMMS[name], mixed, cap):
-                    yield (cap, "mixed", name, "", dict(cfg.kwargs, UPCAST=False), cfg.num_warps,
-                           cfg.num_stages)
+                    const = dict(cfg.kwargs, UPCAST=False)
+                    for call, ones in (GROUPED_CALLS.items() if name == "grouped_mm"
+                                       else [("", ())]):
+                        consts = {**const, **({"G": 3} if ones else {}), **{o: 1 for o in ones}}
+                        yield cap, "mixed", name, call, consts, cfg.num_warps, cfg.num_stages
             for name in ("rms_fwd", "rms_bwd"):
                 # d ≤ 4096 (up to 7B), and the 13B and 30B models' 5120, 6656
                 for block in (4096, 8192):
