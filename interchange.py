@@ -32,7 +32,7 @@ import model as llama
 import parallel
 from plumbing import formats, integrity, train_state
 from plumbing.tokenizer import (identity as tokenizer_identity, in_folder as tokenizer_in,
-                                keep as keep_tokenizer, load as load_tokenizer)
+                                keep as keep_tokenizer, load as load_tokenizer, sample_text)
 
 # ------------------------------------------------------------------------ the commands
 
@@ -246,7 +246,7 @@ def cli(argv):
         parser.error(f"--top_k={args.top_k} must not be negative" if args.top_k < 0 else
                      f"--seed={args.seed} must be at least 0 and below 2**63")
     torch.manual_seed(args.seed)
-    print(llama.sample_text(m, enc, args.tokens, prompt=args.prompt, temperature=args.temperature,
+    print(sample_text(m, enc, args.tokens, prompt=args.prompt, temperature=args.temperature,
                             top_k=args.top_k or None))
 
 

@@ -20,12 +20,14 @@ E (r2, r2)), `linear` (a dense r×r layer with bias) or `identity`. Layer 0 only
 
 Notation in shape comments: b batch, s sequence, d n_embd, r bottleneck rank, h heads, hd head dim.
 """
+import hashlib
 import math
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lax import LAX_GATES, Crossing   # LaX's gate and LayerNorm (a file of its own)
 
@@ -250,23 +252,91 @@ class Block(nn.Module):
         return x + m, (lat_attn + lat_mlp if self.lax else None)   # (b, s, d)
 
 
+# ----------------------------------------- initialisation: every value from (seed, parameter, tile)
+
+INIT_TILE = 256   # the rows and columns of a tile drawn from a generator of its own
+RANDOM, CONSTANT = ("normal_", "uniform_"), ("fill_", "zero_")   # the ops an init may end with
+
+
+class InitRecorder(TorchDispatchMode):
+    """The constructors' initialisation as written: the last in-place op on each storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__.endswith("_") and args and torch.is_tensor(args[0]):
+            self.last[args[0].untyped_storage()._cdata] = (func, args[1:], kwargs)
+        return func(*args, **kwargs)
+
+    def rules(self, model):
+        """{parameter name: (op, args, kwargs)}: how each of model's parameters is initialised."""
+        out = {}
+        for name, p in model.named_parameters():
+            func, args, kwargs = self.last.get(p.untyped_storage()._cdata, (None, (), {}))
+            kind = func.overloadpacket.__name__ if func else None
+            if kind not in RANDOM + CONSTANT or any(torch.is_tensor(a) for a in args):
+                raise ValueError(f"{name}'s initialisation ends with {func}: not drawn in parts")
+            out[name] = (func, args, {k: v for k, v in kwargs.items() if k != "generator"})
+        return out
+
+
+def tile_generator(seed, name, i, j):
+    """Tile (i, j) of `name`'s generator: keyed (counter-based), any tile drawn without the rest."""
+    key = hashlib.blake2b(f"{seed}/{name}/{i}/{j}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+
+
+def init_part(rule, seed, name, shape, rows, cols):
+    """Rows [rows) x columns [cols) of parameter `name` (`shape` viewed (shape[0], rest)) as `rule`
+    draws them, each INIT_TILE² tile from its tile_generator: any part, alone, the same values."""
+    func, args, kwargs = rule
+    n, m = shape[0], math.prod(shape[1:])
+    out = torch.empty(rows[1] - rows[0], cols[1] - cols[0])                    # (rows, cols)
+    if func.overloadpacket.__name__ not in RANDOM:   # (a constant: nothing to draw)
+        return func(out, *args, **kwargs)
+    T = INIT_TILE
+    for i in range(rows[0] // T, -(-rows[1] // T)):
+        for j in range(cols[0] // T, -(-cols[1] // T)):
+            tile = torch.empty(min(T, n - i * T), min(T, m - j * T))
+            func(tile, *args, **kwargs, generator=tile_generator(seed, name, i, j))
+            r0, r1 = max(rows[0], i * T), min(rows[1], (i + 1) * T)
+            c0, c1 = max(cols[0], j * T), min(cols[1], (j + 1) * T)
+            out[r0 - rows[0]:r1 - rows[0], c0 - cols[0]:c1 - cols[0]] = \
+                tile[r0 - i * T:r1 - i * T, c0 - j * T:c1 - j * T]
+    return out
+
+
 class Llama(nn.Module):
     """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding or not).
     The reference every layout is cut from and tested against; a run trains a layout of it
-    (layouts.TPLlama, at tp=1 a group of one), which also runs its activation checkpointing."""
+    (layouts.TPLlama, at tp=1 a group of one), which also runs its activation checkpointing.
+    Initial values: the constructors' rules (CoLA's N(0, std²), ...) drawn tile by tile, keyed by
+    (init_seed, name, tile) (init_part); init_seed comes from the global generator, so
+    torch.manual_seed(s) then Llama(cfg) is one model. On the meta device it holds shapes and
+    rules alone: a rank draws its part without the rest (sharding.materialize)."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        nn.init.normal_(self.tok_emb.weight, std=0.02)
-        nn.init.normal_(self.lm_head.weight, std=0.02)
-        if cfg.tie_embeddings:
-            # one parameter, two uses: their gradients add
+        self.cfg, device = cfg, torch.get_default_device()
+        self.init_seed = int(torch.randint(2 ** 62, (), device="cpu"))
+        with torch.device("meta"), InitRecorder() as recorder:   # shapes and rules, no values
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+            self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+            nn.init.normal_(self.tok_emb.weight, std=0.02)
+            nn.init.normal_(self.lm_head.weight, std=0.02)
+        if cfg.tie_embeddings:   # one parameter, two uses: their gradients add
             self.lm_head.weight = self.tok_emb.weight
+        self.init_rules = recorder.rules(self)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            if cfg.tie_embeddings:   # (to_empty gave each use its own tensor)
+                self.lm_head.weight = self.tok_emb.weight
+            self.reset_parameters()
         cos, sin = rope_table(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -286,6 +356,14 @@ class Llama(nn.Module):
         logits = self.lm_head(x)                         # (b, s, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Every parameter drawn whole by its rule (init_part)."""
+        for name, p in self.named_parameters():
+            whole = (0, p.shape[0]), (0, math.prod(p.shape[1:]))
+            p.copy_(init_part(self.init_rules[name], self.init_seed, name, p.shape, *whole)
+                    .view_as(p))
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -320,12 +398,3 @@ class Llama(nn.Module):
 def estimate_mfu(flops_per_token, tokens_per_s, peak_tflops):
     """Model FLOPs utilisation against a peak you name (TFLOP/s); None when no peak is given."""
     return flops_per_token * tokens_per_s / (peak_tflops * 1e12) if peak_tflops > 0 else None
-
-
-def sample_text(model, enc, n_tokens, device="cpu", prompt="", temperature=0.8, top_k=50):
-    """The prompt and n_tokens generated after it (after <|endoftext|>, which starts a document),
-    decoded; top_k=None samples from the whole vocabulary. The ids of the vocabulary's padding are
-    never decoded."""
-    start = [enc.eot_token] + (enc.encode_ordinary(prompt) if prompt else [])
-    out = model.generate(torch.tensor([start], device=device), n_tokens, temperature, top_k)
-    return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])

@@ -9,15 +9,16 @@ gradient norm counted once per parameter (`grad_norm_sq`). The gradients of a sh
 model's: the global norm and its clipping (`clip_grad_norm`), the tied embedding's gradient summed
 over its uses (`reduce_tied_grad`), the data-parallel mean where DDP is not used.
 """
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dp_shard
 import lax
+from model import init_part
 from parallel import all_reduce
 
 
@@ -206,58 +207,21 @@ def reduce_tied_grad(model, pp_group=None):
 
 # ---------------------------------------------------- a rank's part built alone (the meta device)
 
-class Recorder(TorchDispatchMode):
-    """The single-device model's initialisation as it runs on the meta device: every in-place op
-    on a meta tensor, in order, with its arguments (the random draws among them), so that
-    `materialize` can replay it with the same generator, one parameter at a time."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket.__name__.endswith("_") and args and torch.is_tensor(args[0]) \
-                and args[0].is_meta:
-            self.ops.append((func, args[0], args[1:], kwargs))
-        return func(*args, **kwargs)
-
-
-OVERWRITES = ("normal_", "uniform_", "fill_", "zero_")   # in-place ops that ignore what was there
-RANDOM = ("normal_", "uniform_")
-
-
-def materialize(model, ref, ops, seed):
+def materialize(model, ref):
     """Fill the layout `model` (cut from `ref` on the meta device, then `to_empty`) with exactly
-    what the reference built on the CPU after torch.manual_seed(seed) holds: `ops` (a Recorder's)
-    replayed in order on the CPU generator, each full parameter generated alone, its part copied
-    into this rank's parameters (under --dp_shard into its dp shard of them), then freed. The peak
-    is this rank's part and one full parameter; every draw happens as in the original, so each
-    value is the same to the bit."""
+    what the reference holds when built whole on the CPU: each piece of this rank's parameters
+    drawn alone by its full parameter's rule (model.init_part: keyed tiles), only the tiles that
+    meet this rank's TP slice, then copied in (under --dp_shard into its dp shard of it). Nothing
+    else is drawn: the time and memory are this rank's part's, whatever the model's size."""
     params = dict(ref.named_parameters())   # (a tied head is the embedding: one name)
-    names = {p.untyped_storage()._cdata: n for n, p in params.items()}
-    last = {t.untyped_storage()._cdata: i for i, (_, t, _, _) in enumerate(ops)}
-    missing = set(params) - {names[k] for k in last if k in names}
-    if missing:
-        raise ValueError(f"no initialisation recorded for {sorted(missing)}")
-    where = {}
-    for local, name, rows, dim in model.pieces():
-        where.setdefault(name, []).append((local, rows, dim))
-    torch.manual_seed(seed)
+    t, k = model.tp.size, model.tp.tp_rank
     with torch.no_grad():
-        for i, (func, t, args, kwargs) in enumerate(ops):
-            key, kind = t.untyped_storage()._cdata, func.overloadpacket.__name__
-            if key not in names or last[key] != i:   # overwritten later, or dropped (tied head)
-                if kind in RANDOM:   # its draws still come before the next op's
-                    func(torch.empty(t.shape, dtype=t.dtype), *args, **kwargs)
-                continue
-            name = names[key]
-            if kind not in OVERWRITES or t.shape != params[name].shape:
-                raise ValueError(f"{name}'s initialisation ends with {func.name()} on a "
-                                 f"{tuple(t.shape)} view: it cannot be replayed alone")
-            full = torch.empty(t.shape, dtype=t.dtype)
-            func(full, *args, **kwargs)
-            for local, rows, dim in where.get(name, ()):
-                part = full if dim is None else full.chunk(model.tp.size, dim)[model.tp.tp_rank]
-                dp_shard.write_rows(local, rows, part)
-            full = part = None   # (freed before the next is made: one full parameter at a time)
+        for local, name, rows, dim in model.pieces():
+            shape = params[name].shape
+            region = [(0, shape[0]), (0, math.prod(shape[1:]))]   # (rows, columns) of the full
+            if dim is not None:   # this TP rank's slice of that dim
+                assert dim < 2 and (dim == 0 or len(shape) == 2), (name, dim)
+                n = region[dim][1]
+                region[dim] = (k * n // t, (k + 1) * n // t)
+            part = init_part(ref.init_rules[name], ref.init_seed, name, shape, *region)
+            dp_shard.write_rows(local, rows, part.view(-1, *shape[1:]) if dim != 1 else part)

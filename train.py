@@ -28,11 +28,11 @@ import kernels
 import muon
 import prepare
 import sharding
-from model import estimate_mfu, sample_text
+from model import estimate_mfu
 from parallel import LEDGER
 from plumbing import data, options, placement, rundir, train_state
 from plumbing.plan import resolve
-from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer
+from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer, sample_text
 
 
 def fail(msg):
@@ -104,7 +104,8 @@ def train(plan, argv, resume, interrupt):
         splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size)
                   for s in ("train", "val")}
         place = placement.place_processes(plan)
-        raw_model, n_params, flops_per_token = placement.build_model(plan, place)
+        # (a resume's checkpoint overwrites every parameter: nothing is drawn for it)
+        raw_model, n_params, flops_per_token = placement.build_model(plan, place, init=not resume)
         optimizer = muon.configure(raw_model, tc)
         iter_num, run_id, resume_from, skipped = 0, rundir.new_run_id(), None, []
         if resume:   # the newest checkpoint that verifies and loads (each other one: a line)

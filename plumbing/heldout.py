@@ -51,7 +51,7 @@ def run(args, log):
                                   args.val_fraction, args.text_field, log)
     seqs = sequences(folder, args.split, args.tokens, cfg.block_size)   # (n, s + 1)
     place = placement.place_processes(plan)
-    model = placement.build_model(plan, place)[0]
+    model = placement.build_model(plan, place, init=False)[0]   # (the checkpoint's values)
     error = train_state.load(args.checkpoint, meta, model, None, place.ckpt_mesh)
     if error:
         raise ValueError(f"checkpoint {args.checkpoint}: {error}")

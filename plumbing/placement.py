@@ -62,18 +62,20 @@ def place_processes(plan):
                      mesh.get_local_rank("pp"), host)
 
 
-def build_model(plan, place):
+def build_model(plan, place, init=True):
     """The model this rank trains, and the full model's parameter and FLOP counts, in the order
     torchtitan's parallelize step takes: the single-device reference on the meta device (shapes
-    only, its seeded initialisation recorded) -> its counts -> this rank's layout of it
-    (layouts.TPLlama: its TP shard and pipeline stage, at tp=1 a TP group of one, btp for low-rank
-    and megatron for dense) -> FSDP2 over dp (--dp_shard) -> memory on the device for this rank's
-    part alone -> the recorded initialisation replayed one full parameter at a time on the CPU,
-    each cut into the part (sharding.materialize): the values of the reference built whole from
-    the seed, so every layout starts from the same weights. DDP, the pipeline schedule and compile
-    wrap it next (`wrap`)."""
+    and initialisation rules only, its init_seed drawn after torch.manual_seed(seed)) -> its
+    counts -> this rank's layout of it (layouts.TPLlama: its TP shard and pipeline stage, at tp=1
+    a TP group of one, btp for low-rank and megatron for dense) -> FSDP2 over dp (--dp_shard) ->
+    memory on the device for this rank's part alone -> its values drawn (sharding.materialize:
+    this rank's tiles alone, the values of the reference built whole from the seed, so every
+    layout starts from the same weights), unless `init` is False: a checkpoint will overwrite
+    them (a resume, an evaluation). DDP, the pipeline schedule and compile wrap it next
+    (`wrap`)."""
     cfg, tc = plan.cfg, plan.tc
-    with torch.device("meta"), sharding.Recorder() as recorded:
+    torch.manual_seed(tc.seed)
+    with torch.device("meta"):
         ref = Llama(cfg)
     counts = ref.num_params(), ref.flops_per_token(cfg.block_size)
     model = layouts.TPLlama(ref, place.tp, plan.layout, stage=place.pp_rank, stages=tc.pp,
@@ -81,7 +83,8 @@ def build_model(plan, place):
     if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
         dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, plan.dtype, parallel.LEDGER)
     model.to_empty(device=place.device)
-    sharding.materialize(model, ref, recorded.ops, tc.seed)
+    if init:
+        sharding.materialize(model, ref)
     model.init_buffers()
     return model, *counts
 

@@ -312,3 +312,13 @@ def keep(name, out_dir):
     shutil.copyfile(path, dest / path.name)
     # (absolute: a resume from another folder still finds it)
     return str((dest / path.name).resolve())
+
+
+def sample_text(model, enc, n_tokens, device="cpu", prompt="", temperature=0.8, top_k=50):
+    """The prompt and n_tokens generated after it by model.generate (after <|endoftext|>, which
+    starts a document), decoded; top_k=None samples from the whole vocabulary. The ids of the
+    vocabulary's padding are never decoded."""
+    import torch
+    start = [enc.eot_token] + (enc.encode_ordinary(prompt) if prompt else [])
+    out = model.generate(torch.tensor([start], device=device), n_tokens, temperature, top_k)
+    return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])

@@ -146,7 +146,10 @@ def test_batches_deterministic_and_shared(data_dir):
 # ---------------------------------------------------------------------------- training
 
 def test_short_run_lowers_loss_below_unigram_entropy(tmp_path, data_dir):
-    records = run_train(tmp_path, data_dir, "--max_iters=100", "--eval_interval=100", "--learning_rate=1e-2")
+    # 150 steps: at 100 the val loss sat at the entropy (3.26) within the seeds' spread (seeds 1337,
+    # 1, 2: 3.25, 3.15, 3.00 before the keyed initialisation, 3.29, 3.12, 3.18 after); at 150 all
+    # three are 3.02-3.06
+    records = run_train(tmp_path, data_dir, "--max_iters=150", "--eval_interval=150", "--learning_rate=1e-2")
     entropy = data.unigram_entropy(prepare.prepared_dir(data.EMBEDDED, "bytes", data_dir))
     assert records[-1]["val_loss"] < entropy < records[0]["val_loss"]
     assert all({"iter", "loss", "lr", "ms", "tokens_per_s"} <= r.keys() for r in records[:-1])

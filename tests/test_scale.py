@@ -152,3 +152,57 @@ def test_each_rank_builds_its_part_and_checkpoints_its_shards(tmp_path):
     (16 MB) and 48 MB, where gathering the state whole (the way before) took 3 × 4 bytes a TP-local
     parameter more (201 MB a rank here); the values come back exact."""
     spawn(4, _scale_worker, str(tmp_path), timeout=400)
+
+
+# --------------------------------------------------- issue 42: a rank draws its part alone
+
+def test_any_part_of_a_parameter_is_drawn_alone_with_the_values_of_the_whole(monkeypatch):
+    """model.init_part: a region of a parameter, ragged against the tiles, equals that region of
+    the parameter drawn whole, and draws only the tiles it meets (tiles of 8 here, to have many)."""
+    import model
+    monkeypatch.setattr(model, "INIT_TILE", 8)
+    drawn = []
+    keyed = model.tile_generator
+    monkeypatch.setattr(model, "tile_generator", lambda *key: (drawn.append(key[2:]), keyed(*key))[1])
+    rule = (torch.ops.aten.normal_.default, (0.0, 0.5), {})
+    whole = model.init_part(rule, 7, "w", (40, 36), (0, 40), (0, 36))
+    assert len(drawn) == 5 * 5 and 0.4 < whole.std() < 0.6
+    drawn.clear()
+    part = model.init_part(rule, 7, "w", (40, 36), (10, 20), (9, 27))
+    assert torch.equal(part, whole[10:20, 9:27])
+    assert sorted(drawn) == [(i, j) for i in (1, 2) for j in (1, 2, 3)]   # rows 8-23, cols 8-31
+    other = model.init_part(rule, 8, "w", (40, 36), (0, 40), (0, 36))   # another seed, another model
+    assert not torch.equal(other, whole)
+
+
+def test_a_rank_draws_a_quarter_at_tp4_and_a_resume_draws_nothing(monkeypatch, tmp_path, data_dir):
+    """Rank 1 of tp=4 (BTP, untied) draws about a quarter of the tiles the whole model takes (the
+    replicated norms aside), its values test_scale's first test checks; a resumed run, whose
+    checkpoint overwrites every parameter, draws none."""
+    import model
+    import parallel
+    import train
+    import sharding
+    monkeypatch.setattr(model, "INIT_TILE", 8)
+    drawn = []
+    keyed = model.tile_generator
+    monkeypatch.setattr(model, "tile_generator", lambda *key: (drawn.append(key[1:]), keyed(*key))[1])
+    plan = plan_of(["--tp=4"], 4)
+    with torch.device("meta"):
+        ref = Llama(plan.cfg)
+    model_4 = layouts.TPLlama(ref, parallel.TPGroup(None, 1, 4), "btp")
+    model_4.to_empty(device="cpu")
+    sharding.materialize(model_4, ref)
+    part = len(drawn)
+    drawn.clear()
+    torch.manual_seed(plan.tc.seed)
+    Llama(plan.cfg)   # the whole, on the CPU
+    assert 0.2 < part / len(drawn) < 0.3, (part, len(drawn))
+    common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", "--n_layer=1", "--n_embd=32",
+              "--n_head=4", "--block_size=16", "--batch_size=2", "--eval_interval=2",
+              "--sample_tokens=0"]
+    train.main([*common, "--max_iters=2"])
+    called = []
+    monkeypatch.setattr(sharding, "materialize", lambda *a: called.append(a))
+    train.main([*common, "--max_iters=3", "--init_from=resume"])
+    assert called == []

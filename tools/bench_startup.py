@@ -10,7 +10,8 @@ interleaved (`--rounds`, default 2; medians): the whole reference cut (the way b
 meta-device build (placement.build_model): seconds and the peak memory above the process's start
 (VmHWM), on rank 0. Predicted: parameters and bytes a rank of a node of 8 holds at tp=4 (the
 paper's TP degree; with --dp_shard=full over the node's 2 dp ranks), at the build, in training and
-at a checkpoint, before and now.
+at a checkpoint, before and now. Drawn: the seconds one core takes to draw the initial values of
+boost_1b and boost_7b whole (what every rank did before) and rank 0's part at tp=4 (now).
 """
 import json
 import statistics
@@ -110,6 +111,37 @@ def predict(name, arch, tp=4, dp=2):
             "ckpt_now_gb": (16 * mine / dp + 4 * largest) / 1e9}
 
 
+def draw_times(name, tp=4):
+    """Seconds one CPU core takes to draw a shape's initial values: the whole model, one full
+    parameter at a time (what every rank drew before: the replay of the seeded reference), and
+    rank 0's part at tp=4 under BTP (sharding.materialize now: only the tiles that meet it)."""
+    import time
+    import torch
+    import layouts
+    import parallel
+    import sharding
+    from model import Llama, init_part
+    from plumbing import options
+    torch.set_num_threads(1)
+    root = Path(__file__).resolve().parents[1]
+    cfg, tc = options.parse_args([str(root / "configs" / f"{name}.toml"), "--arch=cola"])
+    cfg.vocab_size = VOCAB
+    torch.manual_seed(tc.seed)
+    with torch.device("meta"):
+        ref = Llama(cfg)
+        part = layouts.TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp")
+    t0 = time.time()
+    for pname, p in ref.named_parameters():
+        init_part(ref.init_rules[pname], ref.init_seed, pname, p.shape, (0, p.shape[0]),
+                  (0, p[0].numel()))
+    whole = time.time() - t0
+    part.to_empty(device="cpu")
+    t0 = time.time()
+    sharding.materialize(part, ref)
+    return {"params": ref.num_params(), "part": sum(p.numel() for p in part.parameters()),
+            "whole_s": whole, "part_s": time.time() - t0}
+
+
 CE_CODE = """
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -177,6 +209,9 @@ def bench(rounds=2):
               f"{p['train_gb']:.1f} / {p['train_sharded_gb']:.1f}",
               f"{p['ckpt_before_gb']:.1f} / {p['ckpt_now_gb']:.1f}"]
              for name, p in predicted.items()]
+    draws = {name: draw_times(name) for name in ("boost_1b", "boost_7b")}
+    drows = [[f"{name} (cola)", f"{d['params'] / 1e9:.2f}B", f"{d['part'] / 1e6:,.0f}M",
+              f"{d['whole_s']:.1f}", f"{d['part_s']:.1f}"] for name, d in draws.items()]
     ce = {way: statistics.median(cross_entropy_peak(way == "before") for _ in range(rounds)) / 1e9
           for way in ("before", "now")}
     text = ("boost_1b (32,000-token vocabulary), rank 0's build, medians of "
@@ -187,7 +222,12 @@ def bench(rounds=2):
             "gradients, AdamW's moments; dp_shard: full over 2 dp ranks)\n\n" +
             table(["shape", "parameters", "per rank", "build GB before / now",
                    "training GB / with dp_shard", "dp_shard checkpoint GB before / now"], prows) +
+            "\n\nDrawing the initial values on one CPU core: the whole model (every rank "
+            "before) against rank 0's part at tp=4 (BTP; keyed tiles, model.init_part)\n\n" +
+            table(["shape", "parameters", "rank 0's part", "s, whole", "s, the part alone"],
+                  drows) +
             "\n\nThe vocabulary-parallel cross-entropy, one process, 4096 tokens x 32000 (fp32 "
             f"logits 0.52 GB): peak above the logits in forward and backward, {ce['before']:.2f} "
             f"GB before, {ce['now']:.2f} GB now (the gradient itself is 0.52 GB)")
-    return text, {"measured": measured, "predicted": predicted, "cross_entropy_gb": ce}
+    return text, {"measured": measured, "predicted": predicted, "cross_entropy_gb": ce,
+                  "draws": draws}

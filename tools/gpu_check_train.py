@@ -89,7 +89,7 @@ def sample_ms(args):
     ops)."""
     import torch
     import kernels
-    from model import sample_text
+    from plumbing.tokenizer import sample_text
     from plumbing import options, placement, plan
     from plumbing.tokenizer import load as load_tokenizer
     cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2",
