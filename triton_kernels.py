@@ -143,7 +143,8 @@ def _norm_down_dx(dh_ptr, a_ptr, x_ptr, g_ptr, ds_ptr, dx_ptr, dg_ptr, M, N, K, 
 
 @triton.jit
 def _grouped_mm(a_ptr, b0_ptr, b1_ptr, b2_ptr, c_ptr, meta_ptr, s_ap, s_ak, s_bk, s_bq, s_cp,
-                s_cq, P_KEY, Q_KEY, K_KEY, CALL_KEY, G: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                s_cq, P_KEY, Q_KEY, K_KEY, CALL_KEY, G: tl.constexpr, BP: tl.constexpr,
+                BQ: tl.constexpr, BK: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One tile of C_g (P_g, Q_g) = A_g (P_g, K_g) · B_g (K_g, Q_g). meta holds per group P, Q, K
     and the row and column offsets of A_g, B_g, C_g inside A, B_g's own tensor (b0, b1, b2: the

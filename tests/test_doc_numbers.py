@@ -119,6 +119,18 @@ def test_startup_predictions_are_the_meta_models():
         assert ckpt == f"{p['ckpt_before_gb']:.1f} / {p['ckpt_now_gb']:.1f}", name
 
 
+def test_draw_table_counts_are_the_meta_models():
+    """scale.md's draws table (tools/bench.py startup): each shape's parameters and rank 0's part
+    at tp=4 under BTP, counted on the meta device."""
+    import bench_startup
+    found = rows("docs/scale.md", "| model | parameters | rank 0's part")
+    assert [r[0] for r in found] == ["boost_1b (cola)", "boost_7b (cola)"]
+    for name, params, part, *_ in found:
+        ref, mine = bench_startup.draw_models(name.split(" (")[0])
+        assert params == f"{ref.num_params() / 1e9:.2f}B", name
+        assert part == f"{sum(p.numel() for p in mine.parameters()) / 1e6:,.0f}M", name
+
+
 def test_models_md_worked_example_counts_are_the_codes():
     """The worked example's model (the default shape, cola with LaX, a 1,024-token tokenizer): its
     parameters and FLOPs as train.py printed them; its token and sequence counts from block_size."""

@@ -108,8 +108,11 @@ def _worker(tp_rank, world, meshes):
                 assert parallel.LEDGER.total("dp", "optim") == muon.traffic(opt, "dp"), where
                 assert (muon.traffic(opt, "dp") > 0) == (shard != "none"), where   # (gathered over dp)
             full = tp_model.gather_full({n: dp_shard.whole(p.detach()) for n, p in tp_model.named_parameters()})
+            # atol 5e-5: AdamW (LaX's gates, norms) moves an element by about lr·sign(g) whatever |g|,
+            # so one whose gradient is at rounding level (layer 1's gates at the first steps) differs
+            # by a fraction of lr=1e-2: measured at most 2.8e-5 (layers.1.mlp.up.cross.W.weight)
             for name, p in ref.named_parameters():
-                torch.testing.assert_close(full[name], p.detach(), rtol=1e-4, atol=1e-5,
+                torch.testing.assert_close(full[name], p.detach(), rtol=1e-4, atol=5e-5,
                                            msg=lambda m: f"{where} {name}: {m}")
         dist.barrier()
 

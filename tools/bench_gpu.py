@@ -9,9 +9,10 @@ file as it is measured (a run cut short keeps its rows), then written to <json_d
    backward apart: ms of each and their ratio (torch/Triton: 1.0 = as fast as cuBLAS; the goal is
    at least 0.9).
 2. One training step (forward, backward, AdamW; bf16 autocast) of the 1B-shaped cola, full and svd
-   models (and cola with CoLA-1B's d_ff of 5461, as it is and with --mlp_multiple_of=8) on one GPU (`--n_layer`, default 8 of its 24 layers, keeps torch.compile short), compile
-   off and on: ms, the layers' ms (less the head, measured alone: at few layers the 32000-way tied
-   head is most of CoLA's matmul weights), tokens/s, MFU against the measured bf16 matmul peak,
+   models (and cola with CoLA-1B's d_ff of 5461, as it is and with --mlp_multiple_of=8) on one
+   GPU (`--n_layer`, default 8 of its 24 layers, keeps torch.compile short), compile off and on:
+   ms, the layers' ms (less the head, measured alone: at few layers the 32000-way tied head is
+   most of CoLA's matmul weights), tokens/s, MFU against the measured bf16 matmul peak,
    peak memory (reset before each row).
 
 Nothing here runs without CUDA; tests check the shapes and the plumbing on the CPU with tiny shapes.

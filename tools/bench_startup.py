@@ -111,25 +111,32 @@ def predict(name, arch, tp=4, dp=2):
             "ckpt_now_gb": (16 * mine / dp + 4 * largest) / 1e9}
 
 
-def draw_times(name, tp=4):
-    """Seconds one CPU core takes to draw a shape's initial values: the whole model, one full
-    parameter at a time (what every rank drew before: the replay of the seeded reference), and
-    rank 0's part at tp=4 under BTP (sharding.materialize now: only the tiles that meet it)."""
-    import time
+def draw_models(name, tp=4):
+    """(the reference, rank 0's part at tp under BTP) of a cola shape, on the meta device."""
     import torch
     import layouts
     import parallel
-    import sharding
-    from model import Llama, init_part
+    from model import Llama
     from plumbing import options
-    torch.set_num_threads(1)
     root = Path(__file__).resolve().parents[1]
     cfg, tc = options.parse_args([str(root / "configs" / f"{name}.toml"), "--arch=cola"])
     cfg.vocab_size = VOCAB
     torch.manual_seed(tc.seed)
     with torch.device("meta"):
         ref = Llama(cfg)
-        part = layouts.TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp")
+        return ref, layouts.TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp")
+
+
+def draw_times(name, tp=4):
+    """Seconds one CPU core takes to draw a shape's initial values: the whole model, one full
+    parameter at a time (what every rank drew before: the replay of the seeded reference), and
+    rank 0's part at tp=4 under BTP (sharding.materialize now: only the tiles that meet it)."""
+    import time
+    import torch
+    import sharding
+    from model import init_part
+    torch.set_num_threads(1)
+    ref, part = draw_models(name, tp)
     t0 = time.time()
     for pname, p in ref.named_parameters():
         init_part(ref.init_rules[pname], ref.init_seed, pname, p.shape, (0, p.shape[0]),

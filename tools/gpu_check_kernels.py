@@ -6,9 +6,10 @@ up-projections, RMSNorm). Each tile configuration of triton_kernels.GEMM_CONFIGS
 (the autotuners get a list of one) on ragged shapes, bf16 and fp32; then the calls training makes
 besides (TRAINING: bf16 autocast's norm_down on the fp32 residual, CopyUp's backward halves); then
 the TP=4 slices of BOOST's 1B and 7B shapes go through the real autotuners in bf16. Both sides get
-the same inputs rounded to the dtype; the reference computes in fp32, and the error is the largest difference relative to the
-largest reference value, for the outputs and for every input's gradient. On a CPU it runs in
-Triton's interpreter (one configuration, small shapes), which is how the tests run it.
+the same inputs rounded to the dtype; the reference computes in fp32, and the error is the largest
+difference relative to the largest reference value, for the outputs and for every input's
+gradient. On a CPU it runs in Triton's interpreter (one configuration, small shapes), which is
+how the tests run it.
 """
 import contextlib
 
