@@ -104,7 +104,6 @@ def train(plan, argv, resume, interrupt):
         splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size)
                   for s in ("train", "val")}
         place = placement.place_processes(plan)
-        # (a resume's checkpoint overwrites every parameter: nothing is drawn for it)
         raw_model, n_params, flops_per_token = placement.build_model(plan, place, init=not resume)
         optimizer = muon.configure(raw_model, tc)
         iter_num, run_id, resume_from, skipped = 0, rundir.new_run_id(), None, []
@@ -149,6 +148,8 @@ class Run:
         self.global_batch = tc.batch_size * tc.gradient_accumulation_steps
         self.tokens_per_iter = self.global_batch * cfg.block_size
         self.dtype = plan.dtype
+        self.hardware_flops = None if tc.peak_tflops <= 0 or tc.recompute == "none" else \
+            placement.hardware_flops_per_token(cfg, plan.layout, tc.recompute)
         self.autocast = nullcontext() if self.dtype == "float32" else \
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
         self.nonfinite = torch.tensor(-1, device=place.device)  # the first non-finite iteration
@@ -286,7 +287,9 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
     tc = run.tc
     check_finite(run, iter_num)
     loss, tokens_per_s = run.mean_over_dp(loss_sum), run.tokens_per_iter / dt
-    mfu = estimate_mfu(flops_per_token, tokens_per_s / run.place.world, tc.peak_tflops)
+    # MFU counts the model's FLOPs; HFU also what --recompute replays (the same without it)
+    mfu, hfu = (estimate_mfu(f, tokens_per_s / run.place.world, tc.peak_tflops)
+                for f in (flops_per_token, run.hardware_flops or flops_per_token))
     comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
             "dp_bytes": LEDGER.total("dp", unit="bytes"),
             "pp_bytes": LEDGER.total("pp", unit="bytes")}
@@ -294,12 +297,14 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
     mem_gb, grad_norm = rundir.peak_memory_gb(run.place.device), float(run.grad_norm)
     run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                        "ms": dt * 1000, "tokens_per_s": tokens_per_s, **comm,
-                       **({"mfu": mfu} if mfu is not None else {}), "mem_gb": mem_gb, **record})
+                       **({"mfu": mfu, "hfu": hfu} if mfu is not None else {}), "mem_gb": mem_gb,
+                       **record})
     run.log(f"iter {iter_num}/{tc.max_iters}: loss {loss:.4f}, lr {lr:.2e}, "
             f"grad norm {grad_norm:.3f}, {dt * 1000:.1f} ms, "
             f"{tokens_per_s:,.0f} tok/s, {flops_per_token * tokens_per_s / 1e12:.3f} TFLOP/s, "
             f"comm {comm['comm_bytes'] / 1e6:.2f} MB"
             + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
+            + (f", hfu {100 * hfu:.1f}%" if mfu is not None and run.hardware_flops else "")
             + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, "
             f"eta {rundir.duration(eta)}")
 
@@ -308,14 +313,12 @@ def loop(run, iter_num, flops_per_token, interrupt):
     """Evaluate and checkpoint every eval_interval, train to max_iters, stop cleanly on a signal;
     returns the signal number, or 0 at the end."""
     tc, log = run.tc, run.log
-    start_iter, best_val, signum = iter_num, None, 0
+    start_iter, best_val, signum, since_log = iter_num, None, 0, 0
     world_rank = dist.get_rank() if dist.is_initialized() else 0
     profiler = rundir.profiler(tc.profile, tc.out_dir, world_rank, log, tc.max_iters - iter_num)
     interrupt.armed = True
-    # a log line's ms: from the last synchronised log step (or evaluation's end) to this one,
-    # divided by the steps between (the host runs ahead of the device by queued steps)
+    # a log line's ms: from the last synchronised log step (or evaluation's end), over the steps
     t_start = t_log = time.time()
-    since_log = 0
     while True:
         lr = get_lr(iter_num, tc)
         for group in run.optimizer.param_groups:   # (Muon's: its own peak, scaled alike)

@@ -89,6 +89,25 @@ def build_model(plan, place, init=True):
     return model, *counts
 
 
+def hardware_flops_per_token(cfg, layout, recompute):
+    """The FLOPs a token costs the hardware in training, for HFU: the model's
+    (Llama.flops_per_token, 6 a weight and attention as PaLM counts it; MFU's numerator) plus what
+    --recompute replays in backward, counted by torch's FlopCounterMode over one forward and
+    backward of this layout at a TP group of one, on the meta device (nothing computed;
+    attention in SDPA's math form, counted as flops_per_token counts it: the tests check that
+    without recompute the two are equal)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):   # (Llama draws its seed)
+        model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), layout,
+                                recompute=recompute)
+        idx = torch.zeros(1, cfg.block_size, dtype=torch.long)                   # (1, s)
+        with sdpa_kernel(SDPBackend.MATH), kernels.reference(), \
+                FlopCounterMode(display=False) as counter:
+            model(idx, idx)[1].backward()
+    return counter.get_total_flops() / cfg.block_size
+
+
 def wrap(raw_model, tc, place, n_micro, warm=None):
     """(the model as trained, the pipeline or None): under pp > 1 the pipeline schedule over the
     stage (pipeline.Pipeline); else DDP over dp where --dp_shard does not shard (its gradient

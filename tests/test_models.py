@@ -229,3 +229,47 @@ def test_imported_cola_model_trains_under_btp(tmp_path, data_dir):
     one, tp2 = losses(metrics(tmp_path / "one")), losses(metrics(tmp_path / "tp2"))
     assert len(one) == 3 and one[0] != losses(metrics(tmp_path / "scratch"))[0]   # the imported weights, not new ones
     torch.testing.assert_close(torch.tensor(tp2), torch.tensor(one), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- FLOPs, MFU and HFU
+
+@pytest.mark.parametrize("arch,lax,gate,kv", [("full", False, "kron", 4), ("svd", False, "kron", 2),
+                                              ("cola", False, "kron", 4), ("cola", True, "kron", 4),
+                                              ("cola", True, "linear", 2), ("svd", True, "identity", 4)])
+def test_flops_per_token_is_what_torch_counts(arch, lax, gate, kv):
+    """Llama.flops_per_token (MFU's numerator) against torch's FlopCounterMode over a real forward
+    and backward, at two shapes: within 1% (equal: every matmul 6 FLOPs a weight a token, LaX's
+    gates, and attention with SDPA's math form, which counts the whole s×s as PaLM's formula does)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    for d, n_layer, s in ((64, 1, 32), (128, 2, 64)):
+        cfg = Config(arch=arch, n_layer=n_layer, n_embd=d, n_head=4, n_kv_head=kv, block_size=s,
+                     vocab_size=96, lax=lax, lax_gate=gate)
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        idx = torch.randint(0, 96, (2, s), generator=torch.Generator().manual_seed(0))
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(idx, idx)[1].backward()
+        counted = counter.get_total_flops() / idx.numel()
+        assert abs(model.flops_per_token(s) / counted - 1) < 0.01, (d, s, model.flops_per_token(s), counted)
+
+
+def test_hfu_counts_what_recompute_replays(tmp_path, data_dir):
+    """placement.hardware_flops_per_token: the model's FLOPs without recompute; with it, more, by
+    less than a forward (a third of the total); the layer-wise replay more than the low-rank one. A
+    run with --peak_tflops and --recompute logs both, hfu above mfu by that ratio."""
+    from plumbing import placement
+    cfg = Config(arch="cola", n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=96)
+    with torch.device("meta"):
+        model_flops = Llama(cfg).flops_per_token(cfg.block_size)
+    hw = {rc: placement.hardware_flops_per_token(cfg, "btp", rc) for rc in ("none", "lowrank", "layer")}
+    assert hw["none"] == model_flops
+    assert model_flops < hw["lowrank"] < hw["layer"] < model_flops * 4 / 3, (hw, model_flops)
+    records = run_train(tmp_path, data_dir, "--max_iters=2", "--recompute=layer", "--peak_tflops=1")
+    r = [r for r in records if "loss" in r][-1]
+    cfg_run = options.parse_args(list(TINY))[0]   # (the run's model)
+    cfg_run.vocab_size = options.vocab_size("bytes")
+    with torch.device("meta"):
+        ratio = placement.hardware_flops_per_token(cfg_run, "btp", "layer") / \
+            Llama(cfg_run).flops_per_token(cfg_run.block_size)
+    assert r["hfu"] == pytest.approx(r["mfu"] * ratio) and r["hfu"] > r["mfu"]
