@@ -175,3 +175,34 @@ def test_bench_gpu_puts_colas_steps_first_and_skips_what_would_pass_the_deadline
     rows.clear()
     text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 50, compiled=("cola",), steps_first=True)
     assert "cola True" not in rows and "cola False" in rows and "skipped cola compiled step: " in text
+
+
+def test_quality_bench_places_the_crossing_and_its_interval():
+    """bench_quality's arithmetic: the crossing interpolated between the evaluations around it (None
+    when never reached, or when the curve starts below), the 95% interval by Student's t, the wall
+    time up to a fractional step."""
+    import statistics
+    import bench_quality as q
+    assert q.crossing([(0, 3.0), (50, 2.0), (100, 1.5)], 1.75) == 75.0
+    assert q.crossing([(0, 3.0), (50, 2.0)], 2.0) == 50.0 and q.crossing([(0, 3.0), (50, 2.0)], 1.9) is None
+    assert q.crossing([(0, 1.0), (50, 0.5)], 2.0) is None
+    mean, half = q.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * statistics.stdev([1, 2, 3]) / 3 ** 0.5)
+    assert q.interval([5.0]) == (5.0, 0.0)
+    records = [{"iter": i, "ms": 10.0 * (i + 1)} for i in range(4)]
+    assert q.wall_ms(records, 2.5) == 10 + 20 + 0.5 * 30
+
+
+def test_quality_bench_end_to_end_at_a_toy_size(tmp_path):
+    """Two tiny runs, one seed, two evaluations each (steps 0 and 2): the first run's target is its
+    own val loss at its last step, which it reaches at step 2 exactly; the table and the figure."""
+    import bench_quality as q
+    shape = ["--n_layer=1", "--n_embd=32", "--n_head=4", "--block_size=16", "--batch_size=2",
+             "--eval_iters=1", "--max_iters=2", "--warmup_iters=0"]
+    runs = {"dense": ["--arch=full"], "cola": ["--arch=cola", "--learning_rate=3e-3"]}
+    text, out = q.bench([f"--figure={tmp_path / 'q.png'}", "--seeds=1"], runs, shape, eval_every=2,
+                        log=lambda *a: None)
+    assert [len(c[0]) for c in out["curves"].values()] == [2, 2]
+    assert out["target"] == out["curves"]["dense"][0][-1][1]
+    assert out["summary"]["dense"]["steps"] == (2.0, 0.0) and out["summary"]["dense"]["ratio"] == 1.0
+    assert "| dense | 1/1 | 2 ± 0 |" in text and (tmp_path / "q.png").stat().st_size > 10_000

@@ -23,6 +23,8 @@
                                    # meta device), the papers' 7B-30B predicted (bench_startup.py)
     python tools/bench.py optim    # AdamW vs Muon, cola and full: ms per train.py iteration
                                    # and of the optimizer step alone (bench_optim.py)
+    python tools/bench.py quality  # time to the dense model's val loss, CoLA under BTP against
+                                   # dense under Megatron at tp=2, --seeds=3 (bench_quality.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
                                    # Triton vs PyTorch, and a 1B-shaped training step per arch,
                                    # compile off/on (bench_gpu.py)
@@ -265,15 +267,14 @@ def bench_checkpoint(extra):
     out = {"params": model.num_params(), "bytes": size, "save_s": t_save, "verify_s": t_verify,
            "crc32_s": t_crc}
     rows = [[f"{model.num_params() / 1e6:.0f}M", f"{size / 1e9:.2f}", f"{t_save:.1f}",
-             f"{t_crc:.1f}",
-             f"{size / 1e9 / t_crc:.2f}", f"{t_verify:.1f}"]]
+             f"{t_crc:.1f}", f"{size / 1e9 / t_crc:.2f}", f"{t_verify:.1f}"]]
     return ("A training checkpoint (dense model with its AdamW moments, one process)\n\n" +
             table(["parameters", "GB", "save s (with CRC-32s)", "CRC-32s alone s", "CRC-32 GB/s",
                    "verify s"], rows)), out
 
 
 BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
-           "dp_shard", "startup", "optim")
+           "dp_shard", "startup", "optim", "quality")
 
 
 def rounds_of(extra, default):
@@ -374,6 +375,9 @@ def main(argv):
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
+    elif what == "quality":
+        import bench_quality
+        text, out = bench_quality.bench(extra)
     elif what == "startup":
         import bench_startup
         text, out = bench_startup.bench(rounds_of(extra, 2))
