@@ -357,16 +357,8 @@ def main(argv):
     elif what == "checkpoint":
         text, out = bench_checkpoint(extra)
     elif what == "gpu":
-        import torch
-        if not torch.cuda.is_available():
-            print("error: bench.py gpu needs a CUDA GPU (this machine has none)", file=sys.stderr)
-            sys.exit(2)
         import bench_gpu
-        n_layer = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--n_layer=")), 8)
-        json_dir.mkdir(parents=True, exist_ok=True)
-        text, out = bench_gpu.run("cuda", n_layer, log=print,
-                                  rows_path=json_dir / "bench-gpu-rows.jsonl")
-        text = ""   # (printed row by row)
+        text, out = "", bench_gpu.from_cli(extra, json_dir)   # (printed row by row)
     elif what == "data":
         import bench_data
         try:

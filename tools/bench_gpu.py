@@ -268,3 +268,14 @@ def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None, dea
         with open(json_path, "w") as fh:
             json.dump(out, fh, indent=1)
     return text, out
+
+
+def from_cli(extra, json_dir):
+    """`bench.py gpu [--n_layer=N]`'s results, its rows appended to json_dir as they come; one
+    line and exit status 2 without CUDA."""
+    if not torch.cuda.is_available():
+        print("error: bench.py gpu needs a CUDA GPU (this machine has none)", file=sys.stderr)
+        sys.exit(2)
+    n_layer = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--n_layer=")), 8)
+    json_dir.mkdir(parents=True, exist_ok=True)
+    return run("cuda", n_layer, log=print, rows_path=json_dir / "bench-gpu-rows.jsonl")[1]
