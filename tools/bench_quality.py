@@ -4,9 +4,11 @@ BOOST (arXiv 2512.12131) promises the dense model's quality sooner. This bench t
 RUNS (an arch under a layout at tp=2, its own learning rate and schedule) in fresh train.py
 processes under torchrun, on `--seeds` seeds (default 3), the runs interleaved seed by seed, and
 asks when each reaches a target validation loss: the baseline's (the first run, the dense model
-under Megatron TP) mean val loss at its last step (`--target_step`, default its max_iters), or a
-number (`--target=1.70`). Validation is evaluated every `eval_every` steps on a fixed held-out
-budget; the crossing is placed by linear interpolation between the two evaluations around it.
+under Megatron TP) val loss at its last step (`--target_step`, default its max_iters), seed by
+seed, since a seed also draws its evaluation batches (the mean target is reported), or a number
+for every seed (`--target=1.70`). Validation is evaluated every `eval_every` steps on a fixed
+held-out budget; the crossing is placed by linear interpolation between the two evaluations
+around it.
 Per run: steps, tokens, model FLOPs and wall time to the target, each a mean and a 95% interval
 over seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured
 (the sum of train.py's synchronised step times up to the crossing, evaluation left out) and as
@@ -80,11 +82,12 @@ def train(runs, shape, seeds, eval_every, tmp, log):
     return out
 
 
-def summarise(runs, trained, target, tokens_per_iter, flops):
-    """{run: {steps, tokens, flops, wall_s, wall_s_steps: (mean, ±), ratio, reached}}."""
+def summarise(runs, trained, targets, tokens_per_iter, flops):
+    """{run: {steps, tokens, flops, wall_s, wall_s_steps: (mean, ±), ratio, reached}}; seed i's
+    crossing is against targets[i]."""
     out = {}
     for name, seeds in trained.items():
-        steps = [crossing(curve(rec), target) for rec in seeds]
+        steps = [crossing(curve(rec), t) for rec, t in zip(seeds, targets)]
         hit = [(s, rec) for s, rec in zip(steps, seeds) if s is not None]
         row = {"reached": f"{len(hit)}/{len(seeds)}"}
         if hit:
@@ -131,7 +134,7 @@ def figure(trained, target, tokens_per_iter, flops, summary, path):
         ax.set_ylabel("validation loss")
         ax.legend()
     load = os.getloadavg()[0]   # (the machine and its load, on the figure that shows time)
-    fig.suptitle(f"time to the target val loss {target:.4f} (dashed); seeds as bands; "
+    fig.suptitle(f"time to the target val loss, mean {target:.4f} (dashed); seeds as bands; "
                  f"{os.cpu_count()} CPUs, load {load:.1f} at the end", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -165,10 +168,13 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
     tc = options.parse_args([*shape, *runs[first]])[1]
     tokens_per_iter = tc.batch_size * tc.gradient_accumulation_steps * cfgs[first].block_size
     base = trained[first]
+    # a seed's evaluation batches are drawn from its seed: each seed's runs are compared on theirs,
+    # against the baseline's val loss of the same seed (paired), unless --target names a number
     step = int(opts.get("target_step", curve(base[0])[-1][0]))
-    target = float(opts["target"]) if "target" in opts else \
-        statistics.fmean(dict(curve(rec))[step] for rec in base)
-    summary = summarise(runs, trained, target, tokens_per_iter, flops)
+    targets = [float(opts["target"]) if "target" in opts else dict(curve(rec))[step]
+               for rec in base]
+    target = statistics.fmean(targets)
+    summary = summarise(runs, trained, targets, tokens_per_iter, flops)
 
     def fmt(r, key, f):
         return f"{f(r[key][0])} ± {f(r[key][1])}" if key in r else "not reached"
@@ -181,10 +187,11 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
                          "quality.png"))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure(trained, target, tokens_per_iter, flops, summary, path)
-    text = (f"Time to val loss {target:.4f} (the first run's mean at step {step} unless "
-            f"--target), {seeds} seed(s), mean ± 95% interval; figure {path}\n\n" +
+    text = (f"Time to the first run's val loss at step {step}, each seed against its own "
+            f"(mean {target:.4f}; or --target), {seeds} seed(s), mean ± 95% interval; figure "
+            f"{path}\n\n" +
             table(["run", "seeds reaching it", "steps", "tokens", "model FLOPs",
                    "wall s (measured)", "wall s (steps × median step)", "wall time / first's"],
                   rows))
-    return text, {"target": target, "summary": summary,
+    return text, {"target": target, "targets": targets, "summary": summary,
                   "curves": {n: [curve(r) for r in s] for n, s in trained.items()}}
