@@ -20,7 +20,6 @@ except ImportError:  # a laptop without Triton: the ops' reference bodies still 
     tk = triton = None
 
 
-
 @torch.library.custom_op("boost::norm_down", mutates_args=())
 def norm_down_op(x: Tensor, gamma: Tensor, A: Tensor, fwd: str, bwd: str) -> tuple[Tensor, Tensor]:
     """x (M, K), γ (K), A (N, K) -> H (M, N) in A's dtype, S (M) fp32."""
