@@ -191,6 +191,17 @@ def test_quality_bench_places_the_crossing_and_its_interval():
     assert q.interval([5.0]) == (5.0, 0.0)
     records = [{"iter": i, "ms": 10.0 * (i + 1)} for i in range(4)]
     assert q.wall_ms(records, 2.5) == 10 + 20 + 0.5 * 30
+    # a run's row: half way to the target at step 1, its FLOPs by its own FLOPs per token, its
+    # effective throughput by the first run's
+    def run(tok_s, ms):
+        return [{"iter": 0, "val_loss": 3.0}, {"iter": 0, "ms": ms, "tokens_per_s": tok_s},
+                {"iter": 1, "ms": ms, "tokens_per_s": tok_s}, {"iter": 2, "val_loss": 1.0}]
+    trained = {"dense": [run(100.0, 40.0)], "cola": [run(300.0, 20.0)]}
+    rows = q.summarise(trained, trained, [2.0], 10, {"dense": 2e12, "cola": 1e12})
+    assert rows["dense"]["steps"] == (1.0, 0.0) and rows["cola"]["flops"] == (10 * 1e12, 0.0)
+    assert rows["dense"]["wall_s"] == (0.04, 0.0) and rows["cola"]["ratio"] == 0.5
+    assert rows["dense"]["dense_eq_tflops"] == (200.0, 0.0)
+    assert rows["cola"]["dense_eq_tflops"] == (600.0, 0.0)
 
 
 def test_quality_bench_end_to_end_at_a_toy_size(tmp_path):
@@ -206,3 +217,25 @@ def test_quality_bench_end_to_end_at_a_toy_size(tmp_path):
     assert out["target"] == out["curves"]["dense"][0][-1][1]
     assert out["summary"]["dense"]["steps"] == (2.0, 0.0) and out["summary"]["dense"]["ratio"] == 1.0
     assert "| dense | 1/1 | 2 ± 0 |" in text and (tmp_path / "q.png").stat().st_size > 10_000
+    # effective throughput: every run's tokens/s at the dense model's FLOPs per token
+    assert out["flops"]["cola"] < out["flops"]["dense"]
+    for row in out["summary"].values():
+        assert row["dense_eq_tflops"][0] > 0 and row["dense_eq_tflops"][1] == 0.0
+
+
+def test_quality_bench_tiers_and_bad_input(capsys):
+    """The GPU tier: CoLA-60M's shape, both runs; it needs a corpus and says so, as does a bad
+    option of train.py's, before any training (exit status 2, one line)."""
+    import bench_quality as q
+    from bench_common import shape_args
+    from plumbing import options
+    for name, args in q.RUNS_GPU.items():
+        cfg, tc = options.parse_args(shape_args([*q.SHAPE_GPU, *args], []))
+        assert (cfg.arch, cfg.n_embd, cfg.n_layer, cfg.mlp_width) == (name.replace("dense", "full"),
+                                                                     512, 8, 1376)
+        assert tc.batch_size * cfg.block_size == 16384 and tc.tp == 1
+    for bad in (["--tier=gpu"], ["--tier=tpu"], ["--seeds=0"], ["--dataset=/nowhere"]):
+        with pytest.raises(SystemExit) as e:
+            q.bench(bad, log=lambda *a: None)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, bad

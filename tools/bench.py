@@ -369,7 +369,8 @@ def main(argv):
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
     elif what == "quality":
         import bench_quality
-        text, out = bench_quality.bench(extra)
+        sweep = any(a.startswith("--sweep") for a in extra)
+        text, out = (bench_quality.sweep if sweep else bench_quality.bench)(extra)
     elif what == "startup":
         import bench_startup
         text, out = bench_startup.bench(rounds_of(extra, 2))

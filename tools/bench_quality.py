@@ -12,7 +12,8 @@ around it.
 Per run: steps, tokens, model FLOPs and wall time to the target, each a mean and a 95% interval
 over seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured
 (the sum of train.py's synchronised step times up to the crossing, evaluation left out) and as
-steps × the run's median step time, so that the machine's noise shows. A figure: val loss
+steps × the run's median step time, so that the machine's noise shows. And the effective
+throughput: tokens/s × the first run's FLOPs per token (the dense work the run stands for). A figure: val loss
 against wall time and against FLOPs, each run's seeds as a band around their mean, the target as
 a line, the crossings marked (`--figure=PATH`, default bench-results/quality.png).
 """
@@ -32,6 +33,32 @@ RUNS = {"dense (megatron)": ["--arch=full", "--layout=megatron", "--learning_rat
                              "--max_iters=600"],
         "cola (btp)": ["--arch=cola", "--layout=btp", "--learning_rate=3e-3", "--max_iters=900"]}
 EVAL_EVERY = 50
+# the GPU tier (--tier=gpu; one GPU: tp=1): CoLA-60M's shape (configs/cola_60m.toml), sequence 256,
+# 64 sequences a step (16K tokens), the dense model at lr 1e-3 for 2000 steps (33M tokens) against
+# CoLA at BOOST's 60M lr 4e-3; it needs a corpus of that size (--dataset=..., docs/corpora.md)
+SHAPE_GPU = ["configs/cola_60m.toml", "--block_size=256", "--batch_size=64",
+             "--warmup_iters=100", "--eval_iters=20", "--tp=1"]
+RUNS_GPU = {"dense": ["--arch=full", "--learning_rate=1e-3", "--min_lr=1e-4", "--max_iters=2000"],
+            "cola": ["--arch=cola", "--learning_rate=4e-3", "--min_lr=4e-4",
+                     "--lr_decay_iters=2000", "--max_iters=2500"]}
+OWN = ("seeds", "target", "target_step", "figure", "tier")   # the bench's; the rest go to train.py
+
+
+def recipe(arch, lr, decay, max_iters=None, rank=None):
+    """One point of a recipe sweep: the arch at peak lr `lr` (min_lr a tenth of it), a cosine over
+    `decay` steps, trained `max_iters` steps (default: the schedule), r = `rank` (default d/4)."""
+    return [f"--arch={arch}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}",
+            f"--lr_decay_iters={decay}", f"--max_iters={max_iters or decay}",
+            *([f"--attn_rank={rank}", f"--mlp_rank={rank}"] if rank else [])]
+
+
+# the recipe sweeps (`bench.py quality --sweep`), both sides alike: the dense model's first (its
+# best val loss at step 600 is the CoLA recipes' target), trained at tp=1: every layout is tested
+# equal to one device, so the steps to a val loss do not depend on tp (the time per step does)
+SWEEP = {**{f"dense lr {lr}": recipe("full", lr, 600) for lr in ("1e-3", "2e-3", "4e-3")},
+         **{f"cola lr {lr}": recipe("cola", lr, 900, 750) for lr in ("3e-3", "6e-3", "1.2e-2")},
+         "cola lr 6e-3, schedule 600": recipe("cola", "6e-3", 600),
+         "cola lr 6e-3, r 96": recipe("cola", "6e-3", 900, 750, rank=96)}
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -98,6 +125,12 @@ def summarise(runs, trained, targets, tokens_per_iter, flops):
             row["wall_s_steps"] = interval([s * statistics.median(r["ms"] for r in rec
                                                                   if "ms" in r) / 1e3
                                             for s, rec in hit])
+        # effective throughput: the run's tokens/s at the first run's (the dense model's) FLOPs
+        # per token: the work a dense model would do to go as fast, the scale on which a
+        # cheaper token compares with a dense one (its MFU counts its own, fewer, FLOPs)
+        row["dense_eq_tflops"] = interval([statistics.median(r["tokens_per_s"] for r in rec
+                                                             if "tokens_per_s" in r)
+                                           * flops[next(iter(runs))] / 1e12 for rec in seeds])
         out[name] = row
     base = out[next(iter(runs))]
     for row in out.values():
@@ -146,26 +179,39 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
     --target=X (a val loss), --target_step=N (the first run's mean val loss at step N) and
     --figure=PATH."""
     import torch
-    from bench_common import table
+    from bench_common import shape_args, table
     from model import Llama
     from plumbing import options
-    runs, shape = runs or RUNS, shape if shape is not None else SHAPE
     opts = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
-    seeds = opts.get("seeds", "3")
-    if not seeds.isdigit() or int(seeds) < 1:
-        print(f"error: --seeds={seeds} must be a whole number of at least 1", file=sys.stderr)
+    seeds, tier = opts.get("seeds", "3"), opts.get("tier", "cpu")
+    # train.py's own options (--dataset=..., --tokenizer=...) go to every run
+    given = [a for a in extra if a.startswith("--") and a[2:].split("=")[0] not in OWN]
+    if not seeds.isdigit() or int(seeds) < 1 or tier not in ("cpu", "gpu"):
+        print(f"error: --seeds={seeds} must be a whole number of at least 1 and --tier={tier} "
+              "cpu or gpu", file=sys.stderr)
         sys.exit(2)
-    seeds = int(seeds)
-    with tempfile.TemporaryDirectory() as tmp:
-        trained = train(runs, shape, seeds, eval_every, tmp, log)
-    cfgs = {name: options.parse_args([*shape, *args])[0] for name, args in runs.items()}
+    if tier == "gpu" and not any(a.startswith("--dataset=") for a in given):
+        print("error: --tier=gpu trains on 33M tokens a run: name a corpus of that size with "
+              "--dataset=... (docs/corpora.md)", file=sys.stderr)
+        sys.exit(2)
+    gpu = tier == "gpu"
+    runs = {name: [*args, *given] for name, args in (runs or (RUNS_GPU if gpu else RUNS)).items()}
+    shape, seeds = shape if shape is not None else SHAPE_GPU if gpu else SHAPE, int(seeds)
+    try:   # (bad options stop here, before any training)
+        parsed = {name: options.parse_args(shape_args([*shape, *args], []))
+                  for name, args in runs.items()}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     flops = {}
-    for name, cfg in cfgs.items():
-        cfg.vocab_size = options.vocab_size("bytes")
+    for name, (cfg, tc) in parsed.items():
+        cfg.vocab_size = options.vocab_size(tc.tokenizer)
         with torch.device("meta"):
             flops[name] = Llama(cfg).flops_per_token(cfg.block_size)
     first = next(iter(runs))
-    tc = options.parse_args([*shape, *runs[first]])[1]
+    cfgs, tc = {name: cfg for name, (cfg, _) in parsed.items()}, parsed[first][1]
+    with tempfile.TemporaryDirectory() as tmp:
+        trained = train(runs, shape, seeds, eval_every, tmp, log)
     tokens_per_iter = tc.batch_size * tc.gradient_accumulation_steps * cfgs[first].block_size
     base = trained[first]
     # a seed's evaluation batches are drawn from its seed: each seed's runs are compared on theirs,
@@ -182,6 +228,7 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
              fmt(r, "tokens", lambda v: f"{v / 1e6:.2f}M"),
              fmt(r, "flops", lambda v: f"{v / 1e12:.2f}T"), fmt(r, "wall_s", lambda v: f"{v:.1f}"),
              fmt(r, "wall_s_steps", lambda v: f"{v:.1f}"),
+             fmt(r, "dense_eq_tflops", lambda v: f"{v:.3f}"),
              f"{r['ratio']:.2f}" if "ratio" in r else "-"] for name, r in summary.items()]
     path = Path(opts.get("figure", Path(__file__).resolve().parents[1] / "bench-results" /
                          "quality.png"))
@@ -191,7 +238,49 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
             f"(mean {target:.4f}; or --target), {seeds} seed(s), mean ± 95% interval; figure "
             f"{path}\n\n" +
             table(["run", "seeds reaching it", "steps", "tokens", "model FLOPs",
-                   "wall s (measured)", "wall s (steps × median step)", "wall time / first's"],
+                   "wall s (measured)", "wall s (steps × median step)",
+                   "dense-equivalent TFLOP/s", "wall time / first's"],
                   rows))
-    return text, {"target": target, "targets": targets, "summary": summary,
+    return text, {"target": target, "targets": targets, "summary": summary, "flops": flops,
                   "curves": {n: [curve(r) for r in s] for n, s in trained.items()}}
+
+
+def sweep(extra, log=print):
+    """(markdown text, results) of the recipe sweep: each recipe of SWEEP whose name holds
+    `--sweep=TEXT` (all for a bare --sweep) on `--seeds` seeds (default 1), at tp=1; per recipe its
+    val loss at step `--target_step` (default 600) and at its end, and its steps to the target: the
+    best dense recipe's val loss at that step, or `--target=X`."""
+    opts = dict((a[2:] + "=").split("=", 1)[:2] for a in extra if a.startswith("--"))
+    only, seeds = opts.get("sweep", ""), opts.get("seeds", "1")
+    runs = {name: args for name, args in SWEEP.items() if only in name}
+    if not runs or not seeds.isdigit() or int(seeds) < 1:
+        print(f"error: --sweep={only} names no recipe of {list(SWEEP)}, or --seeds={seeds} is "
+              "not a whole number of at least 1", file=sys.stderr)
+        sys.exit(2)
+    step = int(opts.get("target_step") or 600)
+    shape = [a for a in SHAPE if not a.startswith("--tp=")]
+    with tempfile.TemporaryDirectory() as tmp:
+        trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log)
+    at = {name: [dict(curve(rec)).get(step) for rec in recs] for name, recs in trained.items()}
+    dense = [statistics.fmean(v) for name, v in at.items() if name.startswith("dense")
+             and None not in v]
+    target = float(opts["target"]) if opts.get("target") else min(dense, default=None)
+    if target is None:
+        print("error: no dense recipe ran to the target step: pass --target=X", file=sys.stderr)
+        sys.exit(2)
+    rows, out = [], {}
+    for name, recs in trained.items():
+        steps = [crossing(curve(rec), target) for rec in recs]
+        hit = [s for s in steps if s is not None]
+        out[name] = {"at_step": at[name], "last": [curve(rec)[-1] for rec in recs],
+                     "steps": steps}
+        v = [x for x in at[name] if x is not None]
+        rows.append([name, f"{statistics.fmean(v):.4f}" if v else "-",
+                     " ".join(f"{curve(rec)[-1][1]:.4f} ({curve(rec)[-1][0]})" for rec in recs),
+                     f"{len(hit)}/{len(recs)}", "%.0f ± %.0f" % interval(hit) if hit else "-"])
+    from bench_common import table
+    text = (f"Recipe sweep at tp=1, {seeds} seed(s); target: val loss {target:.4f} (the best dense "
+            f"recipe's at step {step}, or --target)\n\n" +
+            table(["recipe", f"val at step {step}", "val at the end (step)", "seeds reaching it",
+                   "steps to the target"], rows))
+    return text, {"target": target, "target_step": step, "recipes": out}
