@@ -32,7 +32,7 @@ from model import estimate_mfu
 from parallel import LEDGER
 from plumbing import data, options, placement, rundir, train_state
 from plumbing.plan import resolve
-from plumbing.tokenizer import identity as tokenizer_identity, load as load_tokenizer, sample_text
+from plumbing.tokenizer import identity as tokenizer_identity, sample_at_end
 
 
 def fail(msg):
@@ -125,13 +125,14 @@ def train(plan, argv, resume, interrupt):
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
         f"dp={plan.dp} pp={tc.pp} tp={tc.tp}" + (f" ({plan.layout})" if tc.tp > 1 else "") +
         (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
-        f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}")
+        f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}, {place.threads}")
+    log(f"options: {options.chosen(cfg, tc)}")
     log(placement.sizing_line(cfg, tc, n_params, place, plan.dtype))
     run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num,
                                        tc.tensorboard, run.tokens_per_iter)
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
-        sample(run)
+        sample_at_end(run)
     placement.finish(plan.world)
     return signum
 
@@ -293,7 +294,8 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
     comm = {"comm_bytes": LEDGER.total(unit="bytes"), "tp_bytes": LEDGER.total("tp", unit="bytes"),
             "dp_bytes": LEDGER.total("dp", unit="bytes"),
             "pp_bytes": LEDGER.total("pp", unit="bytes")}
-    eta = elapsed / (iter_num + 1 - start_iter) * (tc.max_iters - iter_num - 1)
+    # eta from the last interval's mean step; none at a launch's first (it allocates, compiles)
+    eta = rundir.duration(dt * (tc.max_iters - iter_num - 1)) if iter_num > start_iter else "-"
     mem_gb, grad_norm = rundir.peak_memory_gb(run.place.device), float(run.grad_norm)
     run.metrics.write({"iter": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                        "ms": dt * 1000, "tokens_per_s": tokens_per_s, **comm,
@@ -306,7 +308,7 @@ def log_step(run, iter_num, lr, loss_sum, dt, elapsed, start_iter, flops_per_tok
             + (f", mfu {100 * mfu:.1f}%" if mfu is not None else "")
             + (f", hfu {100 * hfu:.1f}%" if mfu is not None and run.hardware_flops else "")
             + f", mem {mem_gb:.2f} GB, elapsed {rundir.duration(elapsed)}, "
-            f"eta {rundir.duration(eta)}")
+            f"eta {eta}")
 
 
 def loop(run, iter_num, flops_per_token, interrupt):
@@ -381,19 +383,6 @@ def end(run, iter_num, signum, start_iter, best_val, seconds):
         run.log(f"done: {summary}{best}; last checkpoint {run.last_ckpt or 'none'}")
         run.metrics.event("end", iter=iter_num, best_val_loss=best_val, checkpoint=run.last_ckpt)
     run.metrics.close()
-
-
-def sample(run):
-    """A generated sample at the end of the run (every TP rank runs the forward; rank 0 prints)."""
-    tc = run.tc
-    if tc.sample_tokens > 0 and run.pipe:
-        run.log("no sample under pp > 1: export the checkpoint, then python interchange.py sample")
-    if tc.sample_tokens <= 0 or run.pipe:   # (nothing to sample, or no one model to sample from)
-        return
-    torch.manual_seed(tc.seed)
-    enc = load_tokenizer(tc.tokenizer)
-    with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels
-        run.log("sample:\n" + sample_text(run.raw_model, enc, tc.sample_tokens, run.place.device))
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ class TrainConfig:
     peak_tflops: float = 0.0       # your device's peak, for MFU; 0: report TFLOP/s only
     sample_tokens: int = 200       # generated at the end; 0: none
     timeout_s: int = 600           # process-group timeout
+    threads: int = 0   # a CPU process's threads; 0: OMP_NUM_THREADS, else the idle cores, shared
 
 
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
@@ -124,6 +125,22 @@ def options():
     tokeniser."""
     return {f.name: (cls, f) for cls in (Config, TrainConfig) for f in fields(cls)
             if f.name != "vocab_size"}
+
+
+def chosen(cfg, tc):
+    """'key=value ...' of every option not at its default, for a run's start line: two logs side
+    by side tell their runs apart. A model field left at 0 or auto (the model derives it: r = d/4,
+    the gate, d_ff) is left out."""
+    def derivable(f):
+        return f.default == "auto" or (type(f.default) is int and f.default == 0)
+    derived = Config(**{f.name: getattr(cfg, f.name) for f in fields(Config) if not derivable(f)})
+    out = []
+    for key, (cls, f) in options().items():
+        value = getattr(cfg if cls is Config else tc, key)
+        if value != f.default and not (cls is Config and derivable(f)
+                                       and value == getattr(derived, key)):
+            out.append(f"{key}={value}")
+    return " ".join(out) or "all defaults"
 
 
 def notes(cls):
@@ -198,7 +215,7 @@ PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp"
               "pp_schedule",
               "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault",
               "num_proc", "data_dir",
-              "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens"}
+              "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens", "threads"}
 # a resume says when these change
 NOTED = ("dataset", "seed", "tokenizer", "text_field", "val_fraction")
 
@@ -279,7 +296,8 @@ def check_values(tc):
                  "keep_checkpoints", "timeout_s"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
-    for name in ("max_iters", "dp", "warmup_iters", "lr_decay_iters", "seed", "sample_tokens"):
+    for name in ("max_iters", "dp", "warmup_iters", "lr_decay_iters", "seed", "sample_tokens",
+                 "threads"):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1",

@@ -35,6 +35,7 @@ class Placement:
     dp_rank: int = 0
     pp_rank: int = 0
     host_group: object = None   # gloo, over every rank, whatever the device
+    threads: str = ""   # the CPU threads chosen, and why (choose_threads)
 
     def group(self, name):
         return self.mesh.get_group(name) if self.mesh is not None else None
@@ -45,13 +46,35 @@ class Placement:
         return self.mesh["dp", "tp"] if self.mesh is not None else None
 
 
+def choose_threads(threads, device, local_world):
+    """(intra-op threads for this process, why): `--threads`, else OMP_NUM_THREADS (torchrun sets
+    1 a rank), else on a CPU the cores the 1-minute load average leaves idle, shared by this
+    machine's ranks: a thread on a core another job holds makes every step wait for it (PyTorch's
+    default, a thread a core, ran 10x slower on two busy cores)."""
+    if threads:
+        return threads, "--threads"
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]):
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    if not device.startswith("cpu"):
+        return torch.get_num_threads(), "PyTorch's default (the GPU computes)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = min(cores - 1, round(os.getloadavg()[0]))
+    n = max(1, (cores - busy) // local_world)
+    return n, (f"{cores} cores, {busy} busy by the load average, {local_world} rank(s) here; "
+               "--threads=N to choose")
+
+
 def place_processes(plan):
-    """The process group and the (dp, pp, tp) mesh under torchrun (NCCL on GPUs, gloo elsewhere)."""
+    """The process group and the (dp, pp, tp) mesh under torchrun (NCCL on GPUs, gloo elsewhere);
+    this process's CPU threads (choose_threads)."""
     tc, world, dp, device = plan.tc, plan.world, plan.dp, plan.device
+    n, why = choose_threads(tc.threads, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(n)
+    threads = f"{n} thread{'s' if n > 1 else ''} ({why})"
     if device.startswith("cuda"):   # Triton launches and NCCL use the current device
         torch.cuda.set_device(torch.device(device))   # (plan.resolve_device gave it its index)
     if world == 1:
-        return Placement(world, dp, device)
+        return Placement(world, dp, device, threads=threads)
     mesh = init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
     tp = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
     # a stage's ranks choose kernels alike
@@ -59,7 +82,7 @@ def place_processes(plan):
     # CPU-side agreements (interrupts) that must not wait for the GPU
     host = dist.new_group(backend="gloo")
     return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"),
-                     mesh.get_local_rank("pp"), host)
+                     mesh.get_local_rank("pp"), host, threads)
 
 
 def build_model(plan, place, init=True):

@@ -322,3 +322,20 @@ def sample_text(model, enc, n_tokens, device="cpu", prompt="", temperature=0.8, 
     start = [enc.eot_token] + (enc.encode_ordinary(prompt) if prompt else [])
     out = model.generate(torch.tensor([start], device=device), n_tokens, temperature, top_k)
     return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])
+
+
+def sample_at_end(run):
+    """train.py's sample at the end of a run (every TP rank runs the forward; rank 0 prints), said
+    before it starts: without a KV cache each token reruns the model on the whole context."""
+    import torch
+    import kernels
+    tc = run.tc
+    if tc.sample_tokens > 0 and run.pipe:
+        run.log("no sample under pp > 1: export the checkpoint, then python interchange.py sample")
+    if tc.sample_tokens <= 0 or run.pipe:   # (nothing to sample, or no one model to sample from)
+        return
+    run.log(f"sampling {tc.sample_tokens} tokens (--sample_tokens=0: none)")
+    torch.manual_seed(tc.seed)
+    with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels
+        run.log("sample:\n" + sample_text(run.raw_model, load(tc.tokenizer), tc.sample_tokens,
+                                          run.place.device))

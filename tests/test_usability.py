@@ -1,0 +1,63 @@
+"""What a user meets first: the CPU threads a run chooses, its log's start line.
+
+Not in the BOOST paper (arXiv 2512.12131): the running of its training loop on a shared machine.
+"""
+import os
+
+import pytest
+import torch
+
+from plumbing import options, placement, plan as plans
+
+
+def test_threads_are_chosen_from_the_idle_cores(monkeypatch):
+    """--threads wins, then OMP_NUM_THREADS; else the cores the load average leaves idle, shared by
+    the machine's ranks, never fewer than one; a GPU run keeps PyTorch's choice."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert placement.choose_threads(0, "cpu", 1)[0] == cores
+    assert placement.choose_threads(3, "cpu", 1) == (3, "--threads")
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 5.0, 0.0, 0.0))   # a busy machine
+    n, why = placement.choose_threads(0, "cpu", 1)
+    assert n == 1 and f"{cores} cores, {cores - 1} busy" in why
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert placement.choose_threads(0, "cpu", 2 * cores)[0] == 1
+    assert placement.choose_threads(0, "cuda:0", 1)[0] == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert placement.choose_threads(0, "cpu", 1) == (1, "OMP_NUM_THREADS")
+
+
+def test_a_run_sets_its_threads_and_says_so(monkeypatch):
+    """place_processes sets torch's threads (the real call) and names them for the log."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    cfg, tc = options.parse_args(["--threads=1", "--n_layer=1", "--n_embd=32", "--n_head=4"])
+    try:
+        place = placement.place_processes(plans.make(cfg, tc, 1))
+        assert torch.get_num_threads() == 1 and place.threads == "1 thread (--threads)"
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads=-1 must not be negative"):
+        options.parse_args(["--threads=-1"])
+
+
+def test_the_start_line_names_every_choice_not_at_its_default():
+    """options.chosen: what differs from the defaults, derived model fields (r = d/4) left out."""
+    cfg, tc = options.parse_args(["--recompute=lowrank", "--n_embd=64", "--lax=true"])
+    assert options.chosen(cfg, tc).split() == ["n_embd=64", "lax=True", "recompute=lowrank"]
+    assert options.chosen(*options.parse_args([])) == "all defaults"
+    assert "attn_rank=8" in options.chosen(*options.parse_args(["--attn_rank=8"]))
+
+
+def test_the_log_says_what_runs(tmp_path, data_dir, capsys):
+    """A short run's log: the options line, no eta at the first step and one after it (from the
+    recent steps), and a line before the sample at the end."""
+    from conftest import run_train
+    run_train(tmp_path / "out", data_dir, "--max_iters=3", "--log_interval=1", "--sample_tokens=4",
+              "--recompute=layer")
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("options: ") and "recompute=layer" in line for line in out)
+    iters = [line for line in out if line.startswith("iter ")]
+    assert iters[0].endswith("eta -") and not iters[1].endswith("eta -")
+    assert "sampling 4 tokens (--sample_tokens=0: none)" in out
