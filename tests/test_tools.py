@@ -239,3 +239,21 @@ def test_quality_bench_tiers_and_bad_input(capsys):
             q.bench(bad, log=lambda *a: None)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, bad
+
+
+def test_quality_sweep_at_a_toy_size(monkeypatch, capsys):
+    """The recipe sweep: the recipes a --sweep=TEXT names, the best dense one's val loss at the
+    target step the target, which it reaches there; a name no recipe holds is refused."""
+    import bench_quality as q
+    monkeypatch.setattr(q, "SHAPE", ["--n_layer=1", "--n_embd=32", "--n_head=4", "--block_size=16",
+                                     "--batch_size=2", "--eval_iters=1", "--warmup_iters=0"])
+    monkeypatch.setattr(q, "SWEEP", {"dense lr 1e-3": q.recipe("full", "1e-3", 2),
+                                     "dense lr 2e-3": q.recipe("full", "2e-3", 2),
+                                     "cola lr 3e-3": q.recipe("cola", "3e-3", 2, rank=4)})
+    text, out = q.sweep(["--sweep=dense", "--target_step=2"], log=lambda *a: None)
+    assert list(out["recipes"]) == ["dense lr 1e-3", "dense lr 2e-3"]
+    best = min(r["at_step"][0] for r in out["recipes"].values())
+    assert out["target"] == best and "| 1/1 | 2 ± 0 |" in text
+    with pytest.raises(SystemExit) as e:
+        q.sweep(["--sweep=nothing"], log=lambda *a: None)
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --sweep=nothing")

@@ -99,10 +99,9 @@ def train(runs, shape, seeds, eval_every, tmp, log):
     nproc = next((int(a.split("=")[1]) for a in shape if a.startswith("--tp=")), 1)
     out = {name: [] for name in runs}
     for seed in range(seeds):
-        for name, args in runs.items():
+        for i, (name, args) in enumerate(runs.items()):   # (a folder each: seed, run)
             records = train_run(nproc, [*shape, *args, f"--seed={1337 + seed}",
-                                        f"--eval_interval={eval_every}"],
-                                f"{tmp}/{len(out[name])}-{name.split()[0]}")
+                                        f"--eval_interval={eval_every}"], f"{tmp}/{seed}-{i}")
             out[name].append(records)
             points = curve(records)
             log(f"  seed {seed}: {name}: val {points[-1][1]:.4f} at step {points[-1][0]}")
@@ -250,7 +249,7 @@ def sweep(extra, log=print):
     `--sweep=TEXT` (all for a bare --sweep) on `--seeds` seeds (default 1), at tp=1; per recipe its
     val loss at step `--target_step` (default 600) and at its end, and its steps to the target: the
     best dense recipe's val loss at that step, or `--target=X`."""
-    opts = dict((a[2:] + "=").split("=", 1)[:2] for a in extra if a.startswith("--"))
+    opts = dict(a[2:].partition("=")[::2] for a in extra if a.startswith("--"))
     only, seeds = opts.get("sweep", ""), opts.get("seeds", "1")
     runs = {name: args for name, args in SWEEP.items() if only in name}
     if not runs or not seeds.isdigit() or int(seeds) < 1:
