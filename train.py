@@ -111,8 +111,9 @@ def train(plan, argv, resume, interrupt):
             mesh = place.ckpt_mesh
             load = lambda path, meta: train_state.load(path, meta, raw_model, optimizer, mesh)
             same = lambda meta: options.other_options(argv, resume, meta)
-            resume_from, meta, skipped = train_state.choose(resume, cfg.shape(), tc.tokenizer, load,
-                                                            same, log)
+            with interrupt.deferred():   # (a stop signal never condemns a checkpoint)
+                resume_from, meta, skipped = train_state.choose(resume, cfg.shape(), tc.tokenizer,
+                                                                load, same, log)
             iter_num, run_id = meta["iter_num"], meta.get("run_id", run_id)
             if iter_num >= tc.max_iters:   # (here: a damaged newest checkpoint may leave steps)
                 raise ValueError(f"max_iters={tc.max_iters} is not past iteration {iter_num} of "

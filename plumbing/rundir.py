@@ -21,6 +21,7 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
   Chrome trace per rank, <out_dir>/trace/rank<N>.json (the collectives, BTP's chunks and the
   optimizer step labelled), replacing the files of an earlier profile there.
 """
+import contextlib
 import fcntl
 import json
 import os
@@ -207,12 +208,18 @@ class Interrupt:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, say):
-        self.say, self.signum, self.armed = say, 0, False
+        self.say, self.signum, self.armed, self.defer = say, 0, False, False
         self.pending = (None, None)   # (work, flag) of the agreement all-reduce in flight
         self.previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.defer and not self.signum:
+            self.signum = signum
+            self.say(f"{name}: stopping once the checkpoint is read ({name} again stops at once)")
+            return
+        if self.defer:
+            os._exit(128 + signum)   # (nothing was written: the run is as it was)
         if not self.armed:
             self.say(f"{name} before training started: stopped (nothing to save)")
             sys.exit(128 + signum)
@@ -223,6 +230,22 @@ class Interrupt:
         self.signum = signum
         self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops "
                  f"at once)")
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Within: a signal is noted, not acted on; after: a noted signal stops the process with
+        128+N before anything is written or pruned. A resume verifies and reads its checkpoint
+        within: an exit raised inside DCP's load comes out as a CheckpointException, which would
+        condemn a good checkpoint and send the run back to an older one."""
+        self.defer = True
+        try:
+            yield
+        finally:
+            self.defer = False
+        if self.signum:
+            self.say(f"{signal.Signals(self.signum).name}: stopped before training (nothing "
+                     "written; the checkpoints are as they were)")
+            sys.exit(128 + self.signum)
 
     def agreed(self, group):
         """The signal number if a rank was interrupted, else 0; called once a step by every rank.

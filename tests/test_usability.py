@@ -61,3 +61,39 @@ def test_the_log_says_what_runs(tmp_path, data_dir, capsys):
     iters = [line for line in out if line.startswith("iter ")]
     assert iters[0].endswith("eta -") and not iters[1].endswith("eta -")
     assert "sampling 4 tokens (--sample_tokens=0: none)" in out
+
+
+@pytest.mark.parametrize("phase", ["checksums", "load", "first step"])
+def test_a_stop_signal_during_a_resume_loses_nothing(tmp_path, data_dir, capsys, monkeypatch,
+                                                     phase):
+    """SIGTERM while a resume verifies or reads its newest checkpoint (the real DCP load, the
+    signal raised inside it): the load completes, nothing is skipped, written or pruned, exit
+    128+15; during the first step: that step is finished and saved, as in any run."""
+    import signal
+    import train
+    from conftest import run_train
+    from plumbing import integrity
+    out = tmp_path / "out"
+    run_train(out, data_dir, "--max_iters=4", "--eval_interval=2")
+    def files():   # (the lock file is taken by every launch)
+        return sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*") if p.name != "run.lock")
+    before = files()
+    capsys.readouterr()
+
+    def signalling(real):
+        def call(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)   # (the handler runs inside the real call)
+            return real(*args, **kwargs)
+        return call
+    where = {"checksums": (integrity, "verify"), "load": (integrity.Reader, "read_data"),
+             "first step": (train, "train_step")}[phase]
+    monkeypatch.setattr(*where, signalling(getattr(*where)))
+    with pytest.raises(SystemExit) as e:
+        run_train(out, data_dir, "--max_iters=8", "--eval_interval=2", "--init_from=resume")
+    log = capsys.readouterr().out
+    assert e.value.code == 128 + signal.SIGTERM and "skipping" not in log
+    if phase == "first step":
+        assert "interrupted at iteration 5" in log and (out / "checkpoints/iter_0000005").is_dir()
+    else:
+        assert "stopped before training (nothing written" in log and "iter 4" not in log
+        assert files() == before
