@@ -118,6 +118,8 @@ def train(plan, argv, resume, interrupt):
             if iter_num >= tc.max_iters:   # (here: a damaged newest checkpoint may leave steps)
                 raise ValueError(f"max_iters={tc.max_iters} is not past iteration {iter_num} of "
                                  f"{resume_from}: nothing to train; pass a larger --max_iters")
+            named = any(a.startswith("--dataset=") for a in argv)
+            data.check_resumed_corpus(resume_from, meta, splits["train"], named, log)
             log(f"resuming from {resume_from} (iteration {iter_num})")
     except ValueError as e:
         fail(e)
@@ -237,7 +239,8 @@ def save_checkpoint(run, iter_num, crash=None):
     check_finite(run, iter_num)
     tc = run.tc
     meta = {"config": run.cfg.shape(), "train_config": asdict(tc), "tokenizer": tc.tokenizer,
-            "tokenizer_id": run.tokenizer_id, "run_id": run.run_id}
+            "tokenizer_id": run.tokenizer_id, "run_id": run.run_id,
+            "corpus_id": run.splits["train"].corpus_id}
     t = time.time()
     try:
         path, size = train_state.save(tc.out_dir, iter_num, run.raw_model, run.optimizer,

@@ -47,7 +47,9 @@ class TokenFile:
                              f"vocabulary has {vocab_size}: prepare the corpus with this run's "
                              "--tokenizer")
         self.data = np.memmap(Path(folder) / f"{split}.bin", dtype=meta["dtype"], mode="r")
-        self.block_size = block_size
+        self.block_size, self.source = block_size, meta["source"]
+        # what was prepared, by content: a checkpoint records it, a resume compares it
+        self.corpus_id = f"{meta['train_crc32']}-{meta['val_crc32']}"
         if len(self.data) <= block_size:
             raise ValueError(f"the {split} split of {meta['source']} has {len(self.data)} tokens "
                              f"(train {meta['train_tokens']}, val {meta['val_tokens']}), fewer "
@@ -66,6 +68,21 @@ class TokenFile:
         x = np.stack([self.data[i:i + self.block_size] for i in ix]).astype(np.int64)
         y = np.stack([self.data[i + 1:i + 1 + self.block_size] for i in ix]).astype(np.int64)
         return torch.from_numpy(x), torch.from_numpy(y)  # (count, s), (count, s)
+
+
+def check_resumed_corpus(path, meta, split, named, log):
+    """A resume trains on the corpus its checkpoint (`path`, `meta`) recorded: a launch that
+    prepared another (`split`: its TokenFile) is refused, unless it names --dataset again (`named`),
+    then it is said. Checkpoints from before corpus_id compare nothing."""
+    theirs = meta.get("corpus_id")
+    if theirs is None or theirs == split.corpus_id:
+        return
+    what = (f"checkpoint {path} was trained on {meta['train_config'].get('dataset')} (token "
+            f"files {theirs}); this launch prepared {split.source} ({split.corpus_id})")
+    if not named:
+        raise ValueError(f"{what}: pass --dataset= the recorded corpus (a path recorded relative "
+                         "is read from this working directory), or name this one to train on it")
+    log(f"resume: {what}, as named by --dataset")
 
 
 def unigram_entropy(folder, split="train"):

@@ -24,7 +24,7 @@ import sharding
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
 from plumbing import data, train_state
-from plumbing.tokenizer import load as load_tokenizer
+from plumbing.tokenizer import NAMES as TOKENIZER_NAMES, load as load_tokenizer
 
 
 @dataclass
@@ -272,8 +272,10 @@ def _parse(argv, recorded):
         if key not in known:
             raise _unknown(key, known, "")
         texts[key] = (text, f"--{key}")
+    def same(key, text):   # (a path as given, against the resolved one recorded)
+        return str(recorded[key]) in (text, os.path.abspath(text))
     changed = [f"{k}={recorded[k]} -> {texts[k][0]}" for k in NOTED if k in texts and k in recorded
-               and str(recorded[k]) != texts[k][0]]
+               and not same(k, texts[k][0])]
     for key, value in recorded.items():
         if key in known and key not in texts:
             texts[key] = (str(value), f"{key} (recorded by the run)")
@@ -285,6 +287,11 @@ def _parse(argv, recorded):
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
     check_values(tc)
+    # recorded resolved: a resume from another working directory reads the same files
+    if tc.dataset != data.EMBEDDED:
+        tc.dataset = os.path.abspath(tc.dataset)
+    if tc.tokenizer not in TOKENIZER_NAMES and os.path.exists(tc.tokenizer):
+        tc.tokenizer = os.path.abspath(tc.tokenizer)
     return Config(**given[Config]), tc, changed
 
 

@@ -97,3 +97,31 @@ def test_a_stop_signal_during_a_resume_loses_nothing(tmp_path, data_dir, capsys,
     else:
         assert "stopped before training (nothing written" in log and "iter 4" not in log
         assert files() == before
+
+
+def test_a_resume_from_elsewhere_trains_on_the_recorded_corpus(tmp_path, monkeypatch, capsys):
+    """--dataset given relative is recorded resolved: a resume launched from another working
+    directory (holding its own corpus.txt) reads the run's; a corpus changed under the run is
+    refused in one line, unless named again, then said."""
+    import random
+    from conftest import run_train
+    rng = random.Random(0)
+    for folder, words in (("a", ["alpha", "beta", "gamma"]), ("b", ["delta", "epsilon"])):
+        (tmp_path / folder).mkdir()
+        text = " ".join(rng.choice(words) for _ in range(40000))
+        (tmp_path / folder / "corpus.txt").write_text(text)
+    out, data_dir = tmp_path / "out", tmp_path / "data"
+    monkeypatch.chdir(tmp_path / "a")
+    run_train(out, data_dir, "--max_iters=2", "--eval_interval=2", "--dataset=corpus.txt")
+    monkeypatch.chdir(tmp_path / "b")
+    capsys.readouterr()
+    run_train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--init_from=resume")
+    assert "resuming from" in capsys.readouterr().out
+    (tmp_path / "a" / "corpus.txt").write_text((tmp_path / "b" / "corpus.txt").read_text())
+    with pytest.raises(SystemExit) as e:
+        run_train(out, data_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "was trained on" in err
+    run_train(out, data_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume",
+              f"--dataset={tmp_path / 'a' / 'corpus.txt'}")
+    assert "as named by --dataset" in capsys.readouterr().out
