@@ -30,8 +30,10 @@ checkpoint folder may hold `.metadata`, `*.distcp` shards and `meta.json`; an im
 """
 import collections
 import dataclasses
+import io
 import json
 import logging
+import math
 import os
 import pickle
 import warnings
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
     TensorProperties, TensorStorageMetadata)
 
+from plumbing import pickle_scan
 # noqa: F401  (the checksum of every file: checkpoints here, token files in prepare.py)
 from plumbing.data import crc32
 
@@ -67,13 +70,18 @@ def _size(dims=()):
 def _layout(name):
     """torch.serialization._get_layout without its cache: a layout by its name."""
     layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-    if name not in layouts:
-        raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
+    if type(name) is not str or name not in layouts:
+        raise pickle.UnpicklingError(f"a {type(name).__name__} is not a torch layout name")
     return layouts[name]
 
 
 def _ordered(*items):
-    return collections.OrderedDict(*items)
+    """collections.OrderedDict(*items), of (str key, value) pairs only (checked before hashing)."""
+    pairs = list(items[0]) if len(items) == 1 else []
+    if len(items) > 1 or not all(type(p) in (tuple, list) and len(p) == 2 for p in pairs):
+        raise pickle.UnpicklingError("an OrderedDict in .metadata is not made of pairs")
+    pickle_scan.check_keys(k for k, _ in pairs)
+    return collections.OrderedDict(pairs)
 
 
 # (module, name) -> what a reference to it in .metadata gives: plain functions that check their
@@ -111,7 +119,8 @@ class MetadataUnpickler(pickle._Unpickler):
         args = self.stack.pop()
         func = self.stack[-1]
         if func not in FUNCTIONS.values() or not isinstance(args, tuple):
-            raise pickle.UnpicklingError(f".metadata calls {func!r}, which a checkpoint never does")
+            raise pickle.UnpicklingError(f".metadata calls a {type(func).__name__}, which a "
+                                         "checkpoint never does")
         try:
             self.stack[-1] = func(*args)
         except (TypeError, ValueError) as e:
@@ -121,15 +130,16 @@ class MetadataUnpickler(pickle._Unpickler):
         args = self.stack.pop()
         cls = self.stack.pop()
         if cls not in DATACLASSES.values() or args != ():
-            raise pickle.UnpicklingError(f".metadata makes a {cls!r}: a checkpoint never does")
+            raise pickle.UnpicklingError(f".metadata makes a {type(cls).__name__}: a checkpoint "
+                                         "never does")
         self.append(object.__new__(cls))
 
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
         if type(inst) not in DATACLASSES.values():
-            raise pickle.UnpicklingError(f".metadata sets attributes of {inst!r}, which a "
-                                         "checkpoint never does")
+            raise pickle.UnpicklingError(f".metadata sets attributes of a {type(inst).__name__}, "
+                                         "which a checkpoint never does")
         if type(inst) is TensorProperties:
             return _properties(inst, state)
         names = {f.name for f in dataclasses.fields(inst)}
@@ -143,12 +153,25 @@ class MetadataUnpickler(pickle._Unpickler):
                 inst.__dict__[f.name] = f.default_factory()
         inst.__dict__.update(state)   # (MetadataIndex is frozen: its __dict__, as pickle does)
 
+    def load_setitem(self):   # (the keys checked before the dict hashes them)
+        pickle_scan.check_keys(self.stack[-2:-1])
+        super().load_setitem()
+
+    def load_setitems(self):
+        items = self.pop_mark()
+        pickle_scan.check_keys(items[::2])
+        target = self.stack[-1]
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
     def refuse(self):
         raise pickle.UnpicklingError(".metadata uses a pickle opcode a checkpoint never does")
 
     dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.NEWOBJ[0]] = load_newobj
     dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
     for _op in (pickle.NEWOBJ_EX, pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4):
         dispatch[_op[0]] = refuse
 
@@ -180,11 +203,35 @@ def check_metadata(metadata, files):
         if not ok or not isinstance(name, str) or name not in files or "/" in name:
             raise pickle.UnpicklingError(f".metadata reads {name!r}, not a file meta.json lists in "
                                          "its own folder")
-        start, length = info.offset, info.length
+        start, length = info.offset, info.length   # (checked below)
         if type(start) is not int or type(length) is not int or min(start, length) < 0 \
                 or start + length > files[name] or info.transform_descriptors:
             raise pickle.UnpicklingError(f".metadata reads past the end of {name}, or through a "
                                          "transform")
+    for fqn, item in items.items():
+        if not tiles(item):
+            raise pickle.UnpicklingError(f".metadata's chunks of {fqn[:200]} do not cover it "
+                                         "exactly (each inside it, none overlapping)")
+
+
+def tiles(item):
+    """True if the chunks of a TensorStorageMetadata cover its tensor exactly: each inside it,
+    none overlapping another, their volumes summing to the tensor's (a crafted .metadata that
+    covers part of a tensor would leave the rest at its initial values)."""
+    size, chunks = item.size, item.chunks
+    if type(size) is not torch.Size or type(chunks) is not list:
+        return False
+    for c in chunks:
+        if type(c) is not ChunkStorageMetadata or type(c.offsets) is not torch.Size or \
+                type(c.sizes) is not torch.Size or not len(c.offsets) == len(c.sizes) == len(size):
+            return False
+        if any(o < 0 or o + n > d for o, n, d in zip(c.offsets, c.sizes, size)):
+            return False
+    if sum(math.prod(c.sizes) for c in chunks) != math.prod(size):
+        return False
+    return not any(all(max(ao, bo) < min(ao + an, bo + bn) for ao, an, bo, bn in
+                       zip(a.offsets, a.sizes, b.offsets, b.sizes))
+                   for i, a in enumerate(chunks) for b in chunks[i + 1:])
 
 
 class Reader(FileSystemReader):
@@ -198,7 +245,9 @@ class Reader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         try:
             with open(os.path.join(self.path, ".metadata"), "rb") as f:
-                metadata = MetadataUnpickler(f).load()
+                data = f.read(pickle_scan.MAX_BYTES + 1)
+            pickle_scan.scan(data)   # (no opcode, size or nesting a checkpoint never has)
+            metadata = MetadataUnpickler(io.BytesIO(data)).load()
             check_metadata(metadata, self.files)
         except pickle.UnpicklingError as e:
             self.refused = str(e)

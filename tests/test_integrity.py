@@ -3,6 +3,7 @@ plumbing/train_state.py, interchange.py): a crafted checkpoint .metadata or pyto
 damaged meta.json or shard is named in one line by resume and export alike, pruning never removes the
 good checkpoint a run resumed from, and an import folder must fit its config.json exactly.
 """
+import io
 import json
 import os
 import pickle
@@ -340,8 +341,11 @@ def test_a_metadata_that_patches_path_steers_nothing(capsys, tmp_path, data_dir,
     monkeypatch.chdir(elsewhere)
     out_dir = checkpoint.parent.parent
     expect_error(capsys, [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *TINY, "--n_kv_head=4",
-                          "--init_from=resume", "--max_iters=4"], "sets attributes of", "no usable checkpoint")
-    one_line_error(tool("export", checkpoint, tmp_path / "m.pt"), "sets attributes of")
+                          "--init_from=resume", "--max_iters=4"], "the pickle opcode POP", "no usable checkpoint")
+    one_line_error(tool("export", checkpoint, tmp_path / "m.pt"), "the pickle opcode POP")
+    # the unpickler alone (past the opcode scan) refuses the BUILD itself
+    with pytest.raises(pickle.UnpicklingError, match="sets attributes of a function"):
+        integrity.MetadataUnpickler(io.BytesIO(prefix + real[2:])).load()
     assert Path("a") / "b" == Path("a/b") and list(elsewhere.iterdir()) == []
 
 
