@@ -21,6 +21,7 @@ with one line (ValueError).
 """
 import argparse
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -30,7 +31,7 @@ import torch
 import layouts
 import model as llama
 import parallel
-from plumbing import formats, integrity, train_state
+from plumbing import formats, integrity, rundir, train_state
 from plumbing.tokenizer import (identity as tokenizer_identity, in_folder as tokenizer_in,
                                 keep as keep_tokenizer, load as load_tokenizer, sample_text)
 
@@ -59,22 +60,22 @@ def export(path, out, fmt="pt"):
     cfg, state, tokenizer = checkpoint_state(path)
     if fmt != "pt":
         return formats.write(out, state, cfg, fmt, tokenizer)
-    tmp = f"{out}.{os.getpid()}.tmp"
+    tmp = f"{out}.{os.getpid()}.tmp"   # (renamed into place when whole)
     try:
-        torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer,
-                    "crc32": tensors_crc32(state)}, tmp)
+        with open(tmp, "wb") as f:   # (a file object: a write's OSError names its cause)
+            torch.save({"model": state, "config": cfg.shape(), "tokenizer": tokenizer,
+                        "crc32": tensors_crc32(state)}, f)
         os.replace(tmp, out)
     except (OSError, RuntimeError) as e:   # (torch.save's own file errors are RuntimeErrors)
         if os.path.exists(tmp):
             os.remove(tmp)
-        why = getattr(e, "strerror", None) or str(e).split(": ")[-1]
-        raise ValueError(f"cannot write {out} ({why})") from None
+        raise rundir.cannot_write(out, e) from None
 
 
 def import_folder(folder, out_dir, tokenizer=None):
     """An hf or cola folder as the iteration-0 training checkpoint of a new run in out_dir, which
     --init_from=resume continues under any layout (fresh AdamW moments). Returns its folder."""
-    from plumbing import options, rundir
+    from plumbing import options
     rundir.check_place(out_dir)
     kw, state, named = formats.read(folder)
     # --tokenizer, else the folder's file, else its name
@@ -95,13 +96,22 @@ def import_folder(folder, out_dir, tokenizer=None):
     ref.load_state_dict(state)
     # saved as a tp=1 run holds it: the layout with a TP group of one (the file is layout-free)
     m = layouts.TPLlama(ref, parallel.TPGroup(None, 0, 1), "btp" if ref.cfg.lowrank else "megatron")
-    # a copy in out_dir/tokenizer/ for the runs that continue it
-    tokenizer = keep_tokenizer(tokenizer, out_dir)
-    meta = {"config": m.cfg.shape(), "tokenizer": tokenizer,
-            "tokenizer_id": tokenizer_identity(tokenizer),
-            "train_config": {"tokenizer": tokenizer},   # (a resume's; the other options: defaults)
-            "run_id": rundir.new_run_id(), "imported_from": folder}
-    return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
+    before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    try:
+        # a copy in out_dir/tokenizer/ for the runs that continue it
+        tokenizer = keep_tokenizer(tokenizer, out_dir)
+        meta = {"config": m.cfg.shape(), "tokenizer": tokenizer,
+                "tokenizer_id": tokenizer_identity(tokenizer),
+                "train_config": {"tokenizer": tokenizer},   # (a resume's; the rest: defaults)
+                "run_id": rundir.new_run_id(), "imported_from": folder}
+        return train_state.save(out_dir, 0, m, torch.optim.AdamW(m.parameters()), None, meta)[0]
+    except (OSError, ValueError) as e:   # a full disk: what this import wrote goes, nothing else
+        if before is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        for name in set(os.listdir(out_dir)) - before if before is not None else ():
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        raise (e if isinstance(e, ValueError) else rundir.cannot_write(out_dir, e)) from None
 
 
 def tensors_crc32(state):

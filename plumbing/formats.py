@@ -25,12 +25,13 @@ line (ValueError).
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 import model as llama
-from plumbing import weights
+from plumbing import rundir, weights
 from plumbing.tokenizer import identity as tokenizer_identity, write_for_hf
 
 FORMATS = ("hf", "cola")
@@ -147,15 +148,22 @@ def write(folder, state, cfg, fmt, tokenizer):
         raise ValueError(f"{folder} exists and is not empty: choose another folder")
     # (a tokenizer file that is gone: one line, before anything is written)
     tokenizer_identity(tokenizer)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, kind, tokenizer), f, indent=1)
-    st.save_file(tensors, os.path.join(folder, weights.WEIGHTS), metadata={"format": "pt"})
-    if kind == "boost":   # the model's code, which auto_map names
-        for name in ("configuration_boost.py", "modeling_boost.py"):
-            shutil.copyfile(REMOTE / name, os.path.join(folder, name))
-    # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
-    write_for_hf(tokenizer, folder)
+    # written beside the target, renamed into place when whole: never a half-written folder
+    tmp = f"{os.path.normpath(folder)}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config(cfg, kind, tokenizer), f, indent=1)
+        st.save_file(tensors, os.path.join(tmp, weights.WEIGHTS), metadata={"format": "pt"})
+        if kind == "boost":   # the model's code, which auto_map names
+            for name in ("configuration_boost.py", "modeling_boost.py"):
+                shutil.copyfile(REMOTE / name, os.path.join(tmp, name))
+        # tokenizer.json or .model + tokenizer_config.json: AutoTokenizer reads it
+        write_for_hf(tokenizer, tmp)
+        os.replace(tmp, folder)   # (onto an empty folder, or where there was none)
+    except (OSError, sys.modules["safetensors"].SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise rundir.cannot_write(folder, e) from None
 
 
 INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

@@ -140,6 +140,21 @@ def discard(out_dir):
             os.remove(os.path.join(out_dir, name))
 
 
+def cannot_write(target, e):
+    """The ValueError for an output that could not be written, naming it, what the system said
+    (an OSError's words, or the "os error N" inside a safetensors or DCP error) and the space free
+    where it was going: a full disk says "No space left on device"."""
+    found = re.search(r"os error (\d+)", str(e))
+    why = getattr(e, "strerror", None) or (os.strerror(int(found[1])) if found else
+                                           type(e).__name__)
+    where = os.path.dirname(os.path.abspath(target))
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free / 1e6
+    return ValueError(f"cannot write {target} ({why}; {free:,.0f} MB free there); nothing of it "
+                      "was kept")
+
+
 def new_run_id():
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
 

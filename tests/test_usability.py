@@ -125,3 +125,34 @@ def test_a_resume_from_elsewhere_trains_on_the_recorded_corpus(tmp_path, monkeyp
     run_train(out, data_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume",
               f"--dataset={tmp_path / 'a' / 'corpus.txt'}")
     assert "as named by --dataset" in capsys.readouterr().out
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, data_dir):
+    """interchange.py's exports (hf, pt) and import under a 64 KB file-size limit (the real writers
+    fail as on a full disk, with EFBIG): one line naming the target and the cause, no half-written
+    folder or file left, and the same command then succeeds."""
+    import resource
+    import subprocess
+    import sys
+    from conftest import ROOT, run_train
+    from plumbing import train_state
+    run_train(tmp_path / "run", data_dir, "--max_iters=2", "--eval_interval=2")
+    ckpt = train_state.checkpoint_dirs(tmp_path / "run")[-1]
+
+    def interchange(*args, limit=None):
+        def cap():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return subprocess.run([sys.executable, str(ROOT / "interchange.py"), *map(str, args)],
+                              capture_output=True, text=True, timeout=120,
+                              preexec_fn=cap if limit else None)
+    for args, target in ((["export", ckpt, tmp_path / "hf", "--format=hf"], tmp_path / "hf"),
+                         (["export", ckpt, tmp_path / "m.pt"], tmp_path / "m.pt"),
+                         (["import", tmp_path / "hf", tmp_path / "imported"],
+                          tmp_path / "imported")):
+        before = sorted(p.name for p in tmp_path.iterdir())
+        res = interchange(*args, limit=64 << 10)
+        err = res.stderr.strip()
+        assert res.returncode == 2 and err.startswith("error: cannot write ") and "\n" not in err
+        assert str(target) in err and "File too large" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before   # (no .tmp, no half folder)
+        assert interchange(*args).returncode == 0 and target.exists()
