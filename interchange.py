@@ -13,6 +13,7 @@ plumbing/train_state.py's):
     python interchange.py export out/checkpoints/iter_0002000 hf_model --format=hf   # or cola
     python interchange.py import hf_model out2   # a checkpoint to continue (--init_from=resume)
     python interchange.py sample model.pt 200    # generate from an exported file
+    python interchange.py sample out 200         # or from an out_dir's newest checkpoint
     python interchange.py eval out/checkpoints/iter_0002000 --dataset=path/to/corpus --tokens=100000
                                                  # held-out loss, perplexity, bits per byte
 
@@ -146,10 +147,30 @@ def _checkpoint_folder(text):
     return text
 
 
-def _exported_file(text):
+def _model_source(text):
+    """What sample reads: an exported file, a checkpoint folder, or an out_dir (its newest
+    complete checkpoint, as nanoGPT's sample.py reads its out_dir)."""
+    if os.path.isdir(os.path.join(text, "checkpoints")):
+        found = train_state.checkpoint_dirs(text)
+        if not found:
+            raise argparse.ArgumentTypeError(f"{text} holds no complete checkpoint")
+        return found[-1]
+    if os.path.isdir(text):
+        return _checkpoint_folder(text)
     if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{text} is not a file (export a checkpoint first)")
+        raise argparse.ArgumentTypeError(f"{text} is not an exported file, a checkpoint folder "
+                                         "or an out_dir")
     return text
+
+
+def load_for_sampling(source):
+    """(model.Llama, tokenizer) of what _model_source chose."""
+    if not os.path.isdir(source):
+        return load_exported(source)
+    cfg, state, tokenizer = checkpoint_state(source)
+    m = llama.Llama(cfg)
+    m.load_state_dict(state)
+    return m, tokenizer
 
 
 def parser_of():
@@ -179,8 +200,9 @@ def parser_of():
     p.add_argument("--tokenizer", help="default: the folder's tokenizer file, else the one "
                    "config.json names")
     add_eval(sub, data)
-    p = sub.add_parser("sample", help="generate text from an exported file")
-    p.add_argument("model_file", type=_exported_file)
+    p = sub.add_parser("sample", help="generate text from an exported file, a checkpoint folder "
+                       "or an out_dir (its newest checkpoint)")
+    p.add_argument("model_file", type=_model_source)
     p.add_argument("tokens", type=data.positive_int, nargs="?", default=200,
                    help="tokens to generate (default 200)")
     p.add_argument("--prompt", default="", help="the text to continue (default: a new document)")
@@ -246,7 +268,7 @@ def cli(argv):
             parser.error(f"cannot write {target} ({e.strerror or e})")
         return
     try:
-        m, tokenizer = load_exported(args.model_file)
+        m, tokenizer = load_for_sampling(args.model_file)
         enc = load_tokenizer(tokenizer)
     except ValueError as e:
         parser.error(str(e))
@@ -255,6 +277,10 @@ def cli(argv):
     if args.top_k < 0 or not 0 <= args.seed < 2 ** 63:
         parser.error(f"--top_k={args.top_k} must not be negative" if args.top_k < 0 else
                      f"--seed={args.seed} must be at least 0 and below 2**63")
+    n_prompt = 1 + len(enc.encode_ordinary(args.prompt))   # (with the <|endoftext|> before it)
+    if n_prompt > m.cfg.block_size:
+        print(f"note: the prompt is {n_prompt} tokens, more than block_size {m.cfg.block_size}: "
+              f"the model sees its last {m.cfg.block_size}", file=sys.stderr)
     torch.manual_seed(args.seed)
     print(sample_text(m, enc, args.tokens, prompt=args.prompt, temperature=args.temperature,
                             top_k=args.top_k or None))

@@ -58,6 +58,16 @@ def select(mode, device):
     return _backend
 
 
+def describe(device):
+    """The start line's words for the backend: none for the reference; Triton's interpreter (a
+    CPU under TRITON_INTERPRET=1) named as what it is, hundreds of times slower than PyTorch."""
+    if _backend == "torch":
+        return ""
+    slow = _backend == "triton" and not str(device).startswith("cuda")
+    return f", kernels {_backend}" + (" (Triton's interpreter on a CPU: hundreds of times slower, "
+                                      "for checking the kernels, not for training)" if slow else "")
+
+
 def backend():
     """The implementation select() chose: "torch", "triton" or "auto" (measured per op and
     shape)."""

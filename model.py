@@ -344,8 +344,8 @@ class Llama(nn.Module):
     def forward(self, idx, targets=None):
         """idx (b, s) token ids -> (logits, loss); without targets only the last position's
         logits."""
-        if idx.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence of {idx.shape[1]} is longer than "
+        if not 0 < idx.shape[1] <= self.cfg.block_size:   # (an empty one: nothing to predict)
+            raise ValueError(f"a sequence of {idx.shape[1]} tokens: it needs 1 to "
                              f"block_size={self.cfg.block_size}")
         x, lat = self.tok_emb(idx), None  # (b, s, d); LaX: the latents between layers
         for layer in self.layers:

@@ -127,7 +127,7 @@ def train(plan, argv, resume, interrupt):
     run.damaged = skipped   # removed at the first save: they hold nothing to resume from
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
         f"dp={plan.dp} pp={tc.pp} tp={tc.tp}" + (f" ({plan.layout})" if tc.tp > 1 else "") +
-        (f", kernels {kernels.backend()}" if kernels.backend() != "torch" else "") +
+        kernels.describe(place.device) +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}, {place.threads}")
     log(f"options: {options.chosen(cfg, tc)}")
     log(placement.sizing_line(cfg, tc, n_params, place, plan.dtype))

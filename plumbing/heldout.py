@@ -31,10 +31,13 @@ def sequences(folder, split, tokens, block_size):
     tokens (n, s + 1), consecutive and not overlapping: ValueError if the split holds fewer."""
     data = TokenFile(folder, split, block_size).data
     n = tokens // block_size
-    if n < 1 or n * block_size + 1 > len(data):
+    if n < 1:
+        raise ValueError(f"--tokens={tokens} is less than one sequence of block_size {block_size}: "
+                         f"pass --tokens={block_size} or more")
+    if n * block_size + 1 > len(data):
         raise ValueError(f"--tokens={tokens}: the {split} split holds {len(data):,} tokens, and "
-                         f"{max(1, n)} sequences of block_size {block_size} (and the last one's "
-                         f"next token) need {max(1, n) * block_size + 1:,}")
+                         f"{n} sequences of block_size {block_size} (and the last one's "
+                         f"next token) need {n * block_size + 1:,}")
     return np.stack([data[i * block_size:(i + 1) * block_size + 1] for i in range(n)])
 
 
@@ -43,6 +46,7 @@ def run(args, log):
     prepare.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
     cfg, meta = train_state.verified(args.checkpoint)
     tokenizer = meta.get("tokenizer", "bytes")
+    train_state.check_tokenizer(args.checkpoint, meta, tokenizer)   # (gone or changed: one line)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tc = replace(options.TrainConfig(), tp=args.tp, layout=args.layout, device=args.device,
                  dtype=args.dtype, tokenizer=tokenizer, gradient_accumulation_steps=world)

@@ -242,6 +242,11 @@ def resume_plan(argv, tc, log):
         return None
     resume = train_state.intact(found, log)
     resume.cfg, resume.tc, changed = resume_args(argv, train_state.recorded(resume.meta))
+    theirs = resume.meta.get("train_config", {}).get("optimizer", "adamw")
+    if theirs != resume.tc.optimizer:   # (its moments are another optimizer's: nothing loads)
+        raise ValueError(f"{resume.found[0]} was trained with --optimizer={theirs}, this launch "
+                         f"asks for --optimizer={resume.tc.optimizer}, whose moments it does not "
+                         f"hold: resume with --optimizer={theirs}")
     if changed:
         log(f"resume: {'; '.join(changed)} (as given; the run had the first)")
     return resume

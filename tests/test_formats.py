@@ -194,6 +194,10 @@ def test_a_tokenizer_changed_or_gone_since_the_run_is_said_so(tmp_path, capsys, 
     expect_error(capsys, resume, f"the tokenizer file {tok} changed since checkpoint", "put back the file")
     tok.unlink()
     expect_error(capsys, resume, f"the tokenizer {tok} that checkpoint", "is gone (deleted or moved)")
+    # (and its held-out evaluation says the same)
+    code, err = command(interchange.cli, "eval", train_state.checkpoint_dirs(out)[-1],
+                        "--dataset=pydoc", f"--data_dir={tmp_path / 'd'}")
+    assert code == 2 and f"the tokenizer {tok} that checkpoint" in err and "\n" not in err, err
     assert not (tmp_path / "d").exists()   # nothing prepared
 
 

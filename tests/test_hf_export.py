@@ -87,6 +87,9 @@ def test_transformers_reads_every_architecture_with_the_projects_logits(folders)
             for _ in range(4):
                 greedy = torch.cat([greedy, model(greedy)[0][:, -1].argmax(-1, keepdim=True)], 1)
             assert torch.equal(out, greedy), (name, out, greedy)
+            if remote:   # an empty input: one clear error, not a reshape deep inside
+                with pytest.raises(ValueError, match="input_ids holds no tokens"):
+                    hf(idx[:, :0])
 
 
 def test_import_reads_every_folder_back_exactly(folders):
@@ -187,6 +190,8 @@ def test_eval_command_gives_the_same_numbers_at_tp1_and_tp2(tmp_path, data_dir):
     import interchange
     code, out, err = command_out(interchange.cli, "eval", *args)
     assert code == 0, err
+    code, _, short = command_out(interchange.cli, "eval", *args[:3], "--tokens=1")
+    assert code == 2 and "--tokens=1 is less than one sequence of block_size 32" in short, short
     res = launch(2, [str(ROOT / "interchange.py"), "eval", *args, "--tp=2"], 300)
     line = lambda text: re.search(r"loss ([\d.]+), perplexity ([\d.]+), bits per byte ([\d.]+)", text)
     one, two = ([float(v) for v in line(text).groups()] for text in (out, res.stdout))

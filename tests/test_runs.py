@@ -321,6 +321,8 @@ def test_resume_continues_the_recorded_run(capsys, tmp_path, data_dir):
     assert "resume: seed=7 -> 8 (as given; the run had the first)" in capsys.readouterr().out
     expect_error(capsys, [*bare, "--max_iters=8"], "max_iters=8 is not past iteration 8", "pass a larger --max_iters")
     expect_error(capsys, [*bare, "--max_iters=10", "--n_layer=2"], "written with n_layer=1, this run has n_layer=2")
+    expect_error(capsys, [*bare, "--max_iters=10", "--optimizer=muon"], "was trained with --optimizer=adamw",
+                 "whose moments it does not hold: resume with --optimizer=adamw")
 
 
 @pytest.mark.slow

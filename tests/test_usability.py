@@ -156,3 +156,23 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_pat
         assert str(target) in err and "File too large" in err, err
         assert sorted(p.name for p in tmp_path.iterdir()) == before   # (no .tmp, no half folder)
         assert interchange(*args).returncode == 0 and target.exists()
+
+
+def test_sample_reads_an_out_dir_and_says_when_the_prompt_is_cut(tmp_path, data_dir):
+    """interchange.py sample from an out_dir (its newest checkpoint) equals the sample from that
+    checkpoint's exported file; a prompt past block_size is said; an empty sequence is one
+    ValueError, in the model and in the exported Hugging Face code."""
+    import interchange
+    import model
+    from conftest import command_out, run_train
+    run_train(tmp_path / "run", data_dir, "--max_iters=2", "--eval_interval=2")
+    assert interchange.cli(["export", str(tmp_path / "run" / "checkpoints" / "iter_0000002"),
+                            str(tmp_path / "m.pt")]) is None
+    runs = [command_out(interchange.cli, "sample", str(src), "8", "--prompt=" + "x" * 40)
+            for src in (tmp_path / "run", tmp_path / "m.pt")]
+    assert runs[0][0] == 0 and runs[0][1] == runs[1][1] and runs[0][1].strip()
+    assert "note: the prompt is 41 tokens, more than block_size 32: the model sees its last 32" \
+        in runs[0][2]
+    m = model.Llama(model.Config(n_layer=1, n_embd=32, n_head=4))
+    with pytest.raises(ValueError, match="a sequence of 0 tokens: it needs 1 to block_size=128"):
+        m(torch.zeros(1, 0, dtype=torch.long))

@@ -151,6 +151,8 @@ class BoostModel(BoostPreTrainedModel):
         """(b, s) ids -> (b, s, d). attention_mask (b, s), 1 for tokens and 0 for padding (left or
         right): padding is never attended to, and positions count the tokens only."""
         b, s = input_ids.shape
+        if s == 0:   # (else a reshape error deep inside)
+            raise ValueError("input_ids holds no tokens: a forward needs at least one")
         hd = self.config.hidden_size // self.config.num_attention_heads
         if attention_mask is None:
             pos, mask = torch.arange(s, device=input_ids.device).expand(b, s), None
