@@ -10,9 +10,11 @@ interchange); none of the story imports this package. Here:
   rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
   train_state  training-state checkpoints (DCP): save, verify, choose, resume
   integrity    checksums, and reading files from elsewhere as data (never code)
+  pickle_scan  a checkpoint's .metadata read as an opcode stream first: no hang, no crash
   formats      the folders other tools read (Hugging Face Llama, CoLA's), written and read back
   weights      safetensors files read as data, for imports
   tokenizer    bytes, GPT-2, Hugging Face tokenizer.json and SentencePiece .model
+  hf_tokenizer bytes and GPT-2 written as Hugging Face tokenizer.json files (for lm-eval)
   corpus       text, JSON Lines, Parquet and compressed corpora, read document by document
   data         prepared token files and the batches drawn from them
   explain      --explain=true: one recorded step, printed (notation: the names of its shapes)

@@ -269,10 +269,12 @@ def _without_dummy_prefix(proto):
 def write_for_hf(name, folder):
     """Put the tokenizer into a Hugging Face model folder, so AutoTokenizer.from_pretrained(folder)
     (and lm_eval's hf model) needs no tokenizer argument: tokenizer.json or tokenizer.model, and a
-    tokenizer_config.json naming the class and the eos token. Nothing for bytes and gpt2 (no
-    file)."""
+    tokenizer_config.json naming the class and the eos token; bytes and gpt2 as the tokenizer.json
+    that gives their ids (plumbing/hf_tokenizer.py)."""
     if name in NAMES:
-        return
+        need("tokenizers", "writing a tokenizer.json")
+        from plumbing import hf_tokenizer
+        return hf_tokenizer.write(name, load(name), folder)
     kind, path = locate(name)
     enc = load(name)
     if kind == "hf":
@@ -290,8 +292,15 @@ def write_for_hf(name, folder):
 
 
 def in_folder(folder):
-    """The tokenizer file a model folder holds (written by write_for_hf, or a Hugging Face
-    model's), or None."""
+    """The tokenizer a model folder holds: the name bytes or gpt2 where write_for_hf wrote theirs,
+    else its tokenizer file (a Hugging Face model's too), or None."""
+    config = Path(folder) / "tokenizer_config.json"
+    try:
+        named = json.loads(config.read_text()).get("boost_tokenizer") if config.is_file() else None
+    except (ValueError, OSError, AttributeError):   # (not ours: its tokenizer file speaks)
+        named = None
+    if named in NAMES:
+        return named
     try:
         return str(locate(folder)[1])
     except ValueError:

@@ -1,4 +1,4 @@
-"""A few crafted bytes in a checkpoint's .metadata neither hang nor crash resume or export
+"""test_crafted_metadata.py: a few crafted bytes in a checkpoint's .metadata neither hang nor crash resume or export
 (plumbing/pickle_scan.py), and a .metadata whose chunks leave part of a tensor unread is refused
 (integrity.tiles).
 

@@ -13,6 +13,7 @@ arguments as the agent would (conftest.launch), without its process (3 s each).
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,8 @@ def shrink(argv, made):
     if argv == ["make", "train"]:
         argv = [".venv/bin/python", "train.py"]
     start = {".venv/bin/python": [sys.executable], "python3": [sys.executable], "python": [sys.executable],
-             ".venv/bin/torchrun": [sys.executable, "-m", "torch.distributed.run"]}[argv[0]]
+             ".venv/bin/torchrun": [sys.executable, "-m", "torch.distributed.run"],
+             ".venv/bin/lm_eval": [sys.executable, "-m", "lm_eval"]}[argv[0]]
     args = [made.get(a.split("=", 1)[-1], {}).get(a, a) if "path/to" in a else scaled(a) for a in argv[1:]]
     args = [str(ROOT / a) if (ROOT / a).is_file() and a.endswith((".py", ".toml")) else a for a in args]
     script = next((a for a in args if a.endswith(".py")), "")
@@ -92,8 +94,8 @@ def placeholders(tmp_path):
 def test_every_readme_command_runs_as_shown(tmp_path, placeholders, monkeypatch):
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
         pytest.skip("the README's gpt2 commands need the GPT-2 vocabulary (TIKTOKEN_CACHE_DIR)")
-    work = tmp_path / "work"
-    work.mkdir()
+    work = tmp_path / "work"   # (the repository's root, as the commands are shown: its docs/tasks)
+    shutil.copytree(ROOT / "docs" / "tasks", work / "docs" / "tasks")
     ran = ran_agent = 0
     for argv in readme_commands():
         cmd, status = shrink(argv, placeholders)
@@ -113,9 +115,12 @@ def test_every_readme_command_runs_as_shown(tmp_path, placeholders, monkeypatch)
         res = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=240,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == status, f"{shown}\n{res.stdout[-1500:]}\n{res.stderr[-2500:]}"
+        if "lm_eval" in cmd:   # its table, with the local task's accuracy
+            assert re.search(r"\|\s*arith\s*\|", res.stdout), res.stdout[-1500:]
         if status:
             assert res.stderr.startswith("error: no CUDA device") and res.stderr.count("\n") == 1, res.stderr
         ran += 1
     assert ran >= 18 and (work / "hf_model" / "config.json").exists() and (work / "runs.png").exists()
+    assert (work / "hf_out" / "tokenizer.json").exists()   # (make train's bytes, for lm-eval)
     bench = (tmp_path / "bench" / "bench-layouts.json").read_text()   # (test_tools.py runs the others)
     assert all(name in bench for name in ("cola/btp recompute=lowrank", "cola/vanilla", "full/megatron"))

@@ -1,4 +1,6 @@
-"""What a user meets first: the CPU threads a run chooses, its log's start line.
+"""test_usability.py: what a user meets: the CPU threads a run chooses, its log's start line, a
+stop signal during a resume, a resume from elsewhere, outputs that cannot be written, sampling,
+the named tokenizers as Hugging Face files.
 
 Not in the BOOST paper (arXiv 2512.12131): the running of its training loop on a shared machine.
 """
@@ -176,3 +178,26 @@ def test_sample_reads_an_out_dir_and_says_when_the_prompt_is_cut(tmp_path, data_
     m = model.Llama(model.Config(n_layer=1, n_embd=32, n_head=4))
     with pytest.raises(ValueError, match="a sequence of 0 tokens: it needs 1 to block_size=128"):
         m(torch.zeros(1, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["bytes", "gpt2"])
+def test_the_named_tokenizers_export_as_hugging_face_files(tmp_path, name):
+    """write_for_hf's tokenizer.json for bytes and gpt2: AutoTokenizer gives the project's ids on
+    random text (ASCII, Latin, CJK, emoji, whitespace runs) and decodes them back; eos is
+    <|endoftext|> at the project's id; an import of the folder names the tokenizer again."""
+    import random
+    from plumbing import tokenizer
+    if name == "gpt2" and "TIKTOKEN_CACHE_DIR" not in os.environ:
+        pytest.skip("TIKTOKEN_CACHE_DIR is not set: no GPT-2 vocabulary without a download")
+    from transformers import AutoTokenizer
+    tokenizer.write_for_hf(name, tmp_path)
+    hf, enc = AutoTokenizer.from_pretrained(str(tmp_path)), tokenizer.load(name)
+    rng = random.Random(0)
+    pools = [range(32, 127), range(0xA0, 0x250), range(0x4E00, 0x4F00), range(0x1F600, 0x1F650),
+             [10, 32, 9]]
+    for _ in range(200):
+        text = "".join(chr(rng.choice(rng.choice(pools))) for _ in range(rng.randrange(1, 80)))
+        ids = hf.encode(text, add_special_tokens=False)
+        assert ids == enc.encode_ordinary(text) and hf.decode(ids) == text, repr(text)
+    assert (hf.eos_token, hf.eos_token_id) == ("<|endoftext|>", enc.eot_token)
+    assert tokenizer.in_folder(tmp_path) == name

@@ -13,9 +13,10 @@ Per run: steps, tokens, model FLOPs and wall time to the target, each a mean and
 over seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured
 (the sum of train.py's synchronised step times up to the crossing, evaluation left out) and as
 steps × the run's median step time, so that the machine's noise shows. And the effective
-throughput: tokens/s × the first run's FLOPs per token (the dense work the run stands for). A figure: val loss
-against wall time and against FLOPs, each run's seeds as a band around their mean, the target as
-a line, the crossings marked (`--figure=PATH`, default bench-results/quality.png).
+throughput: tokens/s × the first run's FLOPs per token (the dense work the run stands for). A
+figure: val loss against wall time and against FLOPs, each run's seeds as a band around their
+mean, the target as a line, the crossings marked (`--figure=PATH`, default
+bench-results/quality.png). `--tier=gpu`: CoLA-60M's shape on one GPU; `--sweep`: the recipes.
 """
 import math
 import os
@@ -173,13 +174,10 @@ def figure(trained, target, tokens_per_iter, flops, summary, path):
     plt.close(fig)
 
 
-def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
-    """(markdown text, results) of time to quality; `extra` may hold --seeds=N (default 3),
-    --target=X (a val loss), --target_step=N (the first run's mean val loss at step N) and
-    --figure=PATH."""
-    import torch
-    from bench_common import shape_args, table
-    from model import Llama
+def plan(extra, runs, shape):
+    """(the bench's options, runs with train.py's own options added, shape, seeds, each run's
+    parsed (Config, TrainConfig)), or exit 2 with one line before any training."""
+    from bench_common import shape_args
     from plumbing import options
     opts = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
     seeds, tier = opts.get("seeds", "3"), opts.get("tier", "cpu")
@@ -195,40 +193,54 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
         sys.exit(2)
     gpu = tier == "gpu"
     runs = {name: [*args, *given] for name, args in (runs or (RUNS_GPU if gpu else RUNS)).items()}
-    shape, seeds = shape if shape is not None else SHAPE_GPU if gpu else SHAPE, int(seeds)
-    try:   # (bad options stop here, before any training)
+    shape = shape if shape is not None else SHAPE_GPU if gpu else SHAPE
+    try:
         parsed = {name: options.parse_args(shape_args([*shape, *args], []))
                   for name, args in runs.items()}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    return opts, runs, shape, int(seeds), parsed
+
+
+def rows_of(summary):
+    """The table's rows: each measure as mean ± half-width of its 95% interval."""
+    def fmt(r, key, f):
+        return f"{f(r[key][0])} ± {f(r[key][1])}" if key in r else "not reached"
+    return [[name, r["reached"], fmt(r, "steps", lambda v: f"{v:.0f}"),
+             fmt(r, "tokens", lambda v: f"{v / 1e6:.2f}M"),
+             fmt(r, "flops", lambda v: f"{v / 1e12:.2f}T"), fmt(r, "wall_s", lambda v: f"{v:.1f}"),
+             fmt(r, "wall_s_steps", lambda v: f"{v:.1f}"),
+             fmt(r, "dense_eq_tflops", lambda v: f"{v:.3f}"),
+             f"{r['ratio']:.2f}" if "ratio" in r else "-"] for name, r in summary.items()]
+
+
+def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
+    """(markdown text, results) of time to quality; `extra` may hold --seeds=N (default 3),
+    --target=X (a val loss), --target_step=N (the first run's mean val loss at step N),
+    --figure=PATH, --tier=cpu|gpu and train.py's options."""
+    import torch
+    from bench_common import table
+    from model import Llama
+    from plumbing import options
+    opts, runs, shape, seeds, parsed = plan(extra, runs, shape)
     flops = {}
     for name, (cfg, tc) in parsed.items():
         cfg.vocab_size = options.vocab_size(tc.tokenizer)
         with torch.device("meta"):
             flops[name] = Llama(cfg).flops_per_token(cfg.block_size)
     first = next(iter(runs))
-    cfgs, tc = {name: cfg for name, (cfg, _) in parsed.items()}, parsed[first][1]
+    cfg, tc = parsed[first]
     with tempfile.TemporaryDirectory() as tmp:
         trained = train(runs, shape, seeds, eval_every, tmp, log)
-    tokens_per_iter = tc.batch_size * tc.gradient_accumulation_steps * cfgs[first].block_size
-    base = trained[first]
+    tokens_per_iter = tc.batch_size * tc.gradient_accumulation_steps * cfg.block_size
     # a seed's evaluation batches are drawn from its seed: each seed's runs are compared on theirs,
     # against the baseline's val loss of the same seed (paired), unless --target names a number
-    step = int(opts.get("target_step", curve(base[0])[-1][0]))
+    step = int(opts.get("target_step", curve(trained[first][0])[-1][0]))
     targets = [float(opts["target"]) if "target" in opts else dict(curve(rec))[step]
-               for rec in base]
+               for rec in trained[first]]
     target = statistics.fmean(targets)
     summary = summarise(runs, trained, targets, tokens_per_iter, flops)
-
-    def fmt(r, key, f):
-        return f"{f(r[key][0])} ± {f(r[key][1])}" if key in r else "not reached"
-    rows = [[name, r["reached"], fmt(r, "steps", lambda v: f"{v:.0f}"),
-             fmt(r, "tokens", lambda v: f"{v / 1e6:.2f}M"),
-             fmt(r, "flops", lambda v: f"{v / 1e12:.2f}T"), fmt(r, "wall_s", lambda v: f"{v:.1f}"),
-             fmt(r, "wall_s_steps", lambda v: f"{v:.1f}"),
-             fmt(r, "dense_eq_tflops", lambda v: f"{v:.3f}"),
-             f"{r['ratio']:.2f}" if "ratio" in r else "-"] for name, r in summary.items()]
     path = Path(opts.get("figure", Path(__file__).resolve().parents[1] / "bench-results" /
                          "quality.png"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,8 +250,7 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
             f"{path}\n\n" +
             table(["run", "seeds reaching it", "steps", "tokens", "model FLOPs",
                    "wall s (measured)", "wall s (steps × median step)",
-                   "dense-equivalent TFLOP/s", "wall time / first's"],
-                  rows))
+                   "dense-equivalent TFLOP/s", "wall time / first's"], rows_of(summary)))
     return text, {"target": target, "targets": targets, "summary": summary, "flops": flops,
                   "curves": {n: [curve(r) for r in s] for n, s in trained.items()}}
 

@@ -12,6 +12,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# layouts.per_layer_traffic's volumes in words (fwd, bwd), r = attn_rank = mlp_rank; the numbers
+# beside them are the function's own
+FORMULAS = {"megatron": ("2d", "2d"), "vanilla": ("3d + 2kv + 2d_ff", "6d + d_ff"),
+            "btp": ("7r + 2", "7r"), "vanilla lax": ("3d + 2kv + 2d_ff + 7r", "6d + d_ff + 7r"),
+            "btp lax": ("7r + 2", "7r")}
+
+
 def _traffic_worker(rank, world, store, cfg_kwargs, result):
     import torch
     import torch.distributed as dist
@@ -85,7 +92,9 @@ def bench_traffic(extra, tp):
                            start_method="spawn")
         out = json.loads(Path(f"{tmp}/out.json").read_text())
     cfg = Config(**kwargs)
-    rows = [[layout, *out[layout]["formula"], *[f"{m:g}" for m in out[layout]["measured"]],
+    rows = [[layout, *[f"{text} = {v:g}" for text, v in zip(FORMULAS[layout],
+                                                            out[layout]["formula"])],
+             *[f"{m:g}" for m in out[layout]["measured"]],
              f"{out[layout]['formula'][0] / out['btp']['formula'][0]:.2f}"] for layout in out]
     title = (f"d={cfg.n_embd}, d_ff={cfg.mlp_width}, kv={cfg.kv_dim}, "
              f"r={cfg.attn_rank}/{cfg.mlp_rank}, tp={tp}")
