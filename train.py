@@ -39,6 +39,7 @@ def fail(msg):
     """A user error: one line on stderr (once per job), exit status 2."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr)
+    rundir.tell_torchrun(f"error: {msg}")   # (torchrun's summary ends with it)
     sys.exit(2)
 
 

@@ -99,7 +99,11 @@ class CommandParser(argparse.ArgumentParser):
     `error:` line and exit status 2, as train.py's."""
 
     def error(self, message):
-        print(f"error: {message} (-h for help)", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {message} (-h for help)", file=sys.stderr)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:   # (torchrun's summary ends with it)
+            from plumbing import rundir
+            rundir.tell_torchrun(f"error: {message}")
         sys.exit(2)
 
 

@@ -140,6 +140,17 @@ def discard(out_dir):
             os.remove(os.path.join(out_dir, name))
 
 
+def tell_torchrun(line):
+    """Under torchrun, `line` (a user error) into the error file torchrun names for this rank
+    (TORCHELASTIC_ERROR_FILE, as its @record would write it): its failure summary, the last thing
+    it prints, then shows the line where it would say "To enable traceback see ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
+
+
 def cannot_write(target, e):
     """The ValueError for an output that could not be written, naming it, what the system said
     (an OSError's words, or the "os error N" inside a safetensors or DCP error) and the space free

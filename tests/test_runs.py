@@ -328,10 +328,14 @@ def test_resume_continues_the_recorded_run(capsys, tmp_path, data_dir):
 @pytest.mark.slow
 def test_a_user_error_under_torchrun_is_one_line_and_status_2_on_every_rank(tmp_path, data_dir):
     res = torchrun(2, f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--tp=2", "--mlp_width=99", check=False)
-    assert res.stderr.count("error: tp=2 does not divide mlp_width=99") == 1, res.stderr[-2000:]
+    said = [x for x in res.stderr.splitlines() if x.startswith("error: tp=2 does not divide mlp_width=99")]
+    assert len(said) == 1, res.stderr[-2000:]   # (once, by rank 0)
     # torchrun's report: each rank exits 2, unless torchrun ended it first (SIGTERM) once a peer had
     codes = re.findall(r"exitcode  : (-?\d+)", res.stderr)
     assert res.returncode != 0 and "2" in codes and set(codes) <= {"2", "-15"}, res.stderr[-2000:]
+    # torchrun's summary, the last thing it prints, ends with the line (the rank's error file)
+    root = res.stderr[res.stderr.index("Root Cause"):]
+    assert "traceback : error: tp=2 does not divide mlp_width=99" in root, root
 
 
 def test_a_config_file_that_is_not_utf8_is_named(capsys, tmp_path):
