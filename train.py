@@ -133,7 +133,9 @@ def train(plan, argv, resume, interrupt):
     log(f"options: {options.chosen(cfg, tc)}")
     log(placement.sizing_line(cfg, tc, n_params, place, plan.dtype))
     run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num,
-                                       tc.tensorboard, run.tokens_per_iter)
+                                       tc.tensorboard, run.tokens_per_iter,
+                                       {"arch": cfg.arch, **rundir.machine(place.device,
+                                                                           place.world)})
     signum = loop(run, iter_num, flops_per_token, interrupt)
     if not signum:
         sample_at_end(run)

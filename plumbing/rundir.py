@@ -140,6 +140,15 @@ def discard(out_dir):
             os.remove(os.path.join(out_dir, name))
 
 
+def machine(device, world):
+    """A run's machine and load in a few words, for its log and figures that show time."""
+    where = f"{os.cpu_count()} CPUs"
+    if device.startswith("cuda"):
+        where = f"{torch.cuda.get_device_name(torch.device(device))}, {where}"
+    return {"machine": f"{where}, {world} process{'es' if world > 1 else ''}",
+            "load": round(os.getloadavg()[0], 2)}
+
+
 def tell_torchrun(line):
     """Under torchrun, `line` (a user error) into the error file torchrun names for this rank
     (TORCHELASTIC_ERROR_FILE, as its @record would write it): its failure summary, the last thing
@@ -194,17 +203,19 @@ class Metrics:
 
     @classmethod
     def start(cls, out_dir, active, run_id, argv, resumed_from=None, iter_num=0, tensorboard=False,
-              tokens_per_iter=None):
+              tokens_per_iter=None, about=None):
         """The log of a run that starts or resumes: run.json written, the first event appended (with
-        the tokens an iteration trains, which tools/plot.py puts on its tokens axis)."""
+        the tokens an iteration trains and `about`: the arch, the machine and its load, which
+        tools/plot.py reads)."""
         metrics = cls(out_dir, active, tensorboard)
         if active:
             write_run(out_dir, run_id, argv)
             if resumed_from:
                 metrics.event("resume", iter=iter_num, checkpoint=resumed_from, run_id=run_id,
-                              tokens_per_iter=tokens_per_iter)
+                              tokens_per_iter=tokens_per_iter, **(about or {}))
             else:
-                metrics.event("start", run_id=run_id, argv=argv, tokens_per_iter=tokens_per_iter)
+                metrics.event("start", run_id=run_id, argv=argv, tokens_per_iter=tokens_per_iter,
+                              **(about or {}))
         return metrics
 
     def write(self, record):

@@ -1,5 +1,5 @@
 """test_plot.py: tools/plot.py draws what metrics.jsonl says (a resumed run's later records, the
-tokens axis from tokens_per_iter) and refuses bad input in one line; bench.py data's corpus forms
+time axis from the logged step times, the machine and load) and refuses bad input in one line; bench.py data's corpus forms
 hold the same documents, so they prepare to the same token files.
 """
 import json
@@ -21,20 +21,23 @@ def write_log(folder, lines):
     (folder / "metrics.jsonl").write_text("".join(x if isinstance(x, str) else json.dumps(x) + "\n" for x in lines))
 
 
-def test_read_run_keeps_the_later_attempt_and_counts_tokens(tmp_path):
+def test_read_run_keeps_the_later_attempt_and_sums_the_step_times(tmp_path):
     write_log(tmp_path / "a", [
-        {"event": "start", "tokens_per_iter": 100},
-        {"iter": 0, "loss": 5.0, "tokens_per_s": 10.0, "val_loss": 5.5},
-        {"iter": 1, "loss": 4.0, "tokens_per_s": 11.0},
-        {"iter": 2, "loss": 3.9, "tokens_per_s": 12.0, "val_loss": 4.2},
-        {"event": "resume", "iter": 1, "tokens_per_iter": 100},   # resumed from iteration 1's checkpoint
-        {"iter": 2, "loss": 3.0, "tokens_per_s": 13.0, "val_loss": 3.5},
-        '{"iter": 3, "loss": 2.',                                  # cut short by a kill
+        {"event": "start", "tokens_per_iter": 100, "arch": "cola", "machine": "2 CPUs", "load": 0.1},
+        {"iter": 0, "loss": 5.0, "tokens_per_s": 10.0, "val_loss": 5.5, "ms": 100.0},
+        {"iter": 1, "loss": 4.0, "tokens_per_s": 11.0, "ms": 200.0},
+        {"iter": 2, "loss": 3.9, "tokens_per_s": 12.0, "val_loss": 4.2, "ms": 900.0},
+        {"event": "resume", "iter": 1, "tokens_per_iter": 100, "machine": "2 CPUs", "load": 1.5},
+        {"iter": 2, "loss": 3.0, "tokens_per_s": 13.0, "val_loss": 3.5, "ms": 300.0},
+        {"iter": 5, "loss": 2.5, "tokens_per_s": 13.0, "ms": 100.0},   # a line for 3 steps
+        '{"iter": 6, "loss": 2.',                                  # cut short by a kill
     ])
     run = plot.read_run(tmp_path / "a")
-    assert run["train"] == [(0, 100, 5.0), (1, 200, 4.0), (2, 300, 3.0)]
-    assert run["val"] == [(0, 0, 5.5), (2, 200, 3.5)]   # evaluated before step 2: 2 steps of tokens
-    assert run["speed"] == [(0, 10.0), (1, 11.0), (2, 13.0)]
+    assert [(i, round(t, 6), loss) for i, t, loss in run["train"]] == \
+        [(0, 0.1, 5.0), (1, 0.3, 4.0), (2, 0.6, 3.0), (5, 0.9, 2.5)]
+    assert [(i, round(t, 6), loss) for i, t, loss in run["val"]] == [(0, 0.0, 5.5), (2, 0.3, 3.5)]
+    assert run["speed"] == [(0, 10.0), (1, 11.0), (2, 13.0), (5, 13.0)]
+    assert (run["arch"], run["machine"], run["load"]) == ("cola", "2 CPUs", 1.5)   # (the latest)
 
 
 def test_plot_draws_real_runs(tmp_path, data_dir):
@@ -42,13 +45,16 @@ def test_plot_draws_real_runs(tmp_path, data_dir):
     for name in ("cola", "full"):
         run_train(tmp_path / name, data_dir, f"--arch={name}", "--max_iters=4", "--eval_interval=2")
     run = plot.read_run(tmp_path / "cola")
-    per_iter = 4 * 32   # TINY: batch 4 of 32 tokens
-    assert [p[:2] for p in run["train"]] == [(i, (i + 1) * per_iter) for i in range(4)]
-    assert [p[0] for p in run["val"]] == [0, 2, 4]
+    seconds = [p[1] for p in run["train"]]
+    assert [p[0] for p in run["train"]] == [0, 1, 2, 3] and 0 < seconds[0] < seconds[-1]
+    assert [p[0] for p in run["val"]] == [0, 2, 4] and run["arch"] == "cola"
+    assert run["machine"].endswith("CPUs, 1 process") and run["load"] >= 0
     out = tmp_path / "runs.png"
-    code, err = command(plot.main, tmp_path / "cola", tmp_path / "full", "-o", out, "--labels=CoLA,dense")
-    assert code == 0, err
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    for extra in ([], ["--diff"]):   # (--diff: the dense run is another model, left out)
+        code, err = command(plot.main, tmp_path / "cola", tmp_path / "full", "-o", out, "--labels=CoLA,dense",
+                            *extra)
+        assert code == 0, err
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
 def test_plot_at_equal_wall_time(tmp_path):
@@ -91,7 +97,7 @@ def test_plot_takes_rows_without_speed_nan_and_refuses_strings_and_binary(tmp_pa
     write_log(tmp_path / "a", [{"event": "start", "tokens_per_iter": 8}, {"iter": 0, "loss": 5.0},
                                '{"iter": 1, "loss": NaN, "tokens_per_s": 3.0}\n'])
     run = plot.read_run(tmp_path / "a")
-    assert run["speed"] == [(1, 3.0)] and run["train"][0] == (0, 8, 5.0) and run["train"][1][2] != 5.0
+    assert run["speed"] == [(1, 3.0)] and run["train"][0] == (0, 0.0, 5.0) and run["train"][1][2] != 5.0
     assert command(plot.main, tmp_path / "a", "-o", tmp_path / "a.png")[0] == 0
     write_log(tmp_path / "s", [{"iter": 0, "loss": "5.0", "tokens_per_s": 1.0}])
     (tmp_path / "bin").mkdir()
