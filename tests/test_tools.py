@@ -241,7 +241,7 @@ def test_quality_bench_tiers_and_bad_input(capsys):
         assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, bad
 
 
-def test_quality_sweep_at_a_toy_size(monkeypatch, capsys):
+def test_quality_sweep_at_a_toy_size(monkeypatch, capsys, tmp_path):
     """The recipe sweep: the recipes a --sweep=TEXT names, the best dense one's val loss at the
     target step the target, which it reaches there; a name no recipe holds is refused."""
     import bench_quality as q
@@ -250,8 +250,11 @@ def test_quality_sweep_at_a_toy_size(monkeypatch, capsys):
     monkeypatch.setattr(q, "SWEEP", {"dense lr 1e-3": q.recipe("full", "1e-3", 2),
                                      "dense lr 2e-3": q.recipe("full", "2e-3", 2),
                                      "cola lr 3e-3": q.recipe("cola", "3e-3", 2, rank=4)})
-    text, out = q.sweep(["--sweep=dense", "--target_step=2"], log=lambda *a: None)
+    keep = [f"--keep_runs={tmp_path}"]
+    text, out = q.sweep(["--sweep=dense", "--target_step=2", *keep], log=lambda *a: None)
     assert list(out["recipes"]) == ["dense lr 1e-3", "dense lr 2e-3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense_lr_1e-3-0.json", "dense_lr_2e-3-0.json"]
+    assert q.sweep(["--sweep=dense", "--target_step=2", *keep], log=lambda *a: None)[1] == out   # (kept)
     best = min(r["at_step"][0] for r in out["recipes"].values())
     assert out["target"] == best and "| 1/1 | 2 ± 0 |" in text
     with pytest.raises(SystemExit) as e:

@@ -56,11 +56,11 @@ def recipe(arch, lr, decay, max_iters=None, rank=None):
 # the recipe sweeps (`bench.py quality --sweep`), both sides alike: the dense model's first (its
 # best val loss at step 600 is the CoLA recipes' target), trained at tp=1: every layout is tested
 # equal to one device, so the steps to a val loss do not depend on tp (the time per step does)
-SWEEP = {**{f"dense lr {lr}": recipe("full", lr, 600) for lr in ("1e-3", "2e-3", "4e-3")},
-         **{f"cola lr {lr}": recipe("cola", lr, 900, 750) for lr in ("3e-3", "6e-3", "1.2e-2")},
-         "cola lr 6e-3, schedule 600": recipe("cola", "6e-3", 600),
-         "cola lr 6e-3, r 96": recipe("cola", "6e-3", 900, 750, rank=96)}
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+SWEEP = {**{f"dense lr {lr}": recipe("full", lr, 600)
+            for lr in ("5e-4", "1e-3", "2e-3", "4e-3")},
+         **{f"cola lr {lr}": recipe("cola", lr, 900, 750) for lr in ("2e-3", "3e-3", "6e-3")},
+         "cola lr 3e-3, schedule 750": recipe("cola", "3e-3", 750),
+         "cola lr 3e-3, r 96": recipe("cola", "3e-3", 900, 750, rank=96)}
 
 
 def crossing(points, target):
@@ -94,15 +94,26 @@ def curve(records):
     return sorted((r["iter"], r["val_loss"]) for r in records if "val_loss" in r)
 
 
-def train(runs, shape, seeds, eval_every, tmp, log):
-    """{run: [records of each seed]}, the runs interleaved seed by seed, each a fresh process."""
+def train(runs, shape, seeds, eval_every, tmp, log, keep=None):
+    """{run: [records of each seed]}, the runs interleaved seed by seed, each a fresh process. With
+    `keep` (a folder), each run's records are kept there and reused when the same arguments come
+    again (a sweep that was stopped goes on where it was)."""
+    import json
     from bench_common import train_run
     nproc = next((int(a.split("=")[1]) for a in shape if a.startswith("--tp=")), 1)
     out = {name: [] for name in runs}
     for seed in range(seeds):
         for i, (name, args) in enumerate(runs.items()):   # (a folder each: seed, run)
-            records = train_run(nproc, [*shape, *args, f"--seed={1337 + seed}",
-                                        f"--eval_interval={eval_every}"], f"{tmp}/{seed}-{i}")
+            argv = [*shape, *args, f"--seed={1337 + seed}", f"--eval_interval={eval_every}"]
+            kept = Path(keep) / f"{name.replace(' ', '_').replace(',', '')}-{seed}.json" \
+                if keep else None
+            if kept and kept.is_file() and json.loads(kept.read_text())["argv"] == argv:
+                records = json.loads(kept.read_text())["records"]
+            else:
+                records = train_run(nproc, argv, f"{tmp}/{seed}-{i}")
+                if kept:
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    kept.write_text(json.dumps({"argv": argv, "records": records}))
             out[name].append(records)
             points = curve(records)
             log(f"  seed {seed}: {name}: val {points[-1][1]:.4f} at step {points[-1][0]}")
@@ -259,7 +270,8 @@ def sweep(extra, log=print):
     """(markdown text, results) of the recipe sweep: each recipe of SWEEP whose name holds
     `--sweep=TEXT` (all for a bare --sweep) on `--seeds` seeds (default 1), at tp=1; per recipe its
     val loss at step `--target_step` (default 600) and at its end, and its steps to the target: the
-    best dense recipe's val loss at that step, or `--target=X`."""
+    best dense recipe's val loss at that step, or `--target=X`. Each run's records are kept in
+    `--keep_runs=DIR` (default bench-results/sweep/) and reused: a stopped sweep goes on."""
     opts = dict(a[2:].partition("=")[::2] for a in extra if a.startswith("--"))
     only, seeds = opts.get("sweep", ""), opts.get("seeds", "1")
     runs = {name: args for name, args in SWEEP.items() if only in name}
@@ -269,8 +281,9 @@ def sweep(extra, log=print):
         sys.exit(2)
     step = int(opts.get("target_step") or 600)
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
+    keep = opts.get("keep_runs") or Path(__file__).resolve().parents[1] / "bench-results" / "sweep"
     with tempfile.TemporaryDirectory() as tmp:
-        trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log)
+        trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log, keep)
     at = {name: [dict(curve(rec)).get(step) for rec in recs] for name, recs in trained.items()}
     dense = [statistics.fmean(v) for name, v in at.items() if name.startswith("dense")
              and None not in v]
