@@ -1,5 +1,4 @@
-"""muon.py: Muon for the low-rank factors, sharded as BTP shards them: orthogonalised updates for an
-r×r price.
+"""muon.py: Muon for the low-rank factors, sharded as BTP shards them, its collectives in buckets.
 
 Not in the BOOST paper (arXiv 2512.12131); BOOST's layouts make it cheap. Muon (Jordan et al.,
 github.com/KellerJordan/Muon; torch.optim.Muon is the same update) replaces a matrix's update by
@@ -13,18 +12,22 @@ It is for the 2-D weights of the decoder layers (every A and B factor, and the d
 arch=full); embeddings, the head, norm gains and LaX's gates stay with AdamW, as Muon's authors do.
 
 Under tensor parallelism each weight is a piece of a layout's local parameter (sharding.Spec), cut
-along one dimension over the t ranks. When the cut runs along X's long side (BTP: A (r, d) along d,
-B (d, r) along d) the Newton-Schulz steps need only the r×r Gram matrix G = Σ_ranks X_i·X_iᵀ: one
-all-reduce of r² elements a step, for every such piece at once, and each rank updates its own
-columns (the work split t ways). Otherwise (vanilla cuts the latent r, Megatron its rows or
-columns) the piece's update is gathered whole once, orthogonalised on every rank, and its slice
-kept. `gram` is chosen where its bytes, 5 all-reduces of r² (2(t−1)/t·r² each), are below the
-gather's (t−1)/t·r·d, or with `prefer="gram"`; both equal one device's Muon (tests/test_muon.py),
-and their collectives go to the ledger with the phase "optim" (per_layer_traffic: their elements
-in layouts.py's terms). Under --dp_shard (FSDP2 holds each TP-local matrix cut along its rows over
-dp) the momentum runs on each rank's rows, the update is all-gathered over dp first (dp_gathered)
-and each rank applies its own rows. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on
-a CPU.
+along one dimension over the t ranks. Two paths give one device's update. Gram: where the cut runs
+along X's long side (BTP: A (r, d) and B (d, r) along d) the Newton-Schulz steps need only the r×r
+Gram matrix G = Σ_ranks X_i·X_iᵀ, and each rank updates its own columns (the work split t ways).
+Gather: the piece's update is gathered whole, orthogonalised on every rank, and its slice kept (the
+only way where vanilla cuts the latent r, Megatron its rows or columns). Either way the
+collectives come in buckets, not one a matrix: one all-gather of every gathered piece a step, one
+all-reduce of every Gram piece's r×r matrix at each of the 5 steps (and one of the norms), so a step
+issues at most 1 + 6 over TP however many layers (`collectives`). By default (`--muon_mode=auto`)
+the pieces the Gram path fits take the cheaper of the two by an α-β cost (`choose_mode`: at r = d/4
+the gather moves 0.4× the Gram path's bytes in one collective against six, so it gathers unless the
+link's latency is small and d > 10·r). Same-shaped matrices take their Newton-Schulz steps as one
+bmm chain. Both paths equal one device's Muon (tests/test_muon.py); their collectives go to the
+ledger with the phase "optim" (per_layer_traffic: their elements in layouts.py's terms). Under
+--dp_shard (FSDP2 holds each TP-local matrix cut along its rows over dp) the momentum runs on each
+rank's rows, every update is all-gathered over dp in one call first (dp_gathered) and each rank
+applies its own rows. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on a CPU.
 """
 import math
 import re
@@ -32,7 +35,7 @@ import re
 import torch
 
 import dp_shard
-from parallel import all_gather_last, all_reduce
+from parallel import all_gather_last, all_reduce, group_size
 
 NS = (3.4445, -4.7750, 2.0315)
 STEPS = 5
@@ -42,33 +45,75 @@ MATRIX = re.compile(r"layers\.\d+\.(attn|mlp)\.(q|k|v|o|gate|up|down)\.(A\.|B\.)
 
 
 def newton_schulz(X, dtype=torch.float32, steps=STEPS):
-    """The orthogonalised X (m, n) of one device: torch.optim.Muon's iteration in `dtype`."""
+    """The orthogonalised X (m, n) of one device: torch.optim.Muon's iteration in `dtype`; X may be
+    a stack (k, m, n) of same-shaped matrices, orthogonalised together (one bmm chain)."""
     a, b, c = NS
+    tall = X.shape[-2] > X.shape[-1]
     Y = X.to(dtype)
-    Y = Y.t() if X.shape[0] > X.shape[1] else Y                     # (small, large)
-    Y = Y / Y.norm().clamp(min=EPS)
+    Y = Y.mT if tall else Y                                          # (.., small, large)
+    Y = Y / Y.norm(dim=(-2, -1), keepdim=True).clamp(min=EPS)
     for _ in range(steps):
-        G = Y @ Y.t()                                               # (small, small)
+        G = Y @ Y.mT                                                # (.., small, small)
         Y = a * Y + (b * G + c * G @ G) @ Y
-    return (Y.t() if X.shape[0] > X.shape[1] else Y).to(X.dtype)
+    return (Y.mT if tall else Y).to(X.dtype)
+
+
+def by_shape(xs):
+    """[[indices of xs with one shape]], in first-seen order: the stacks a batched step takes."""
+    groups = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(tuple(x.shape), []).append(i)
+    return list(groups.values())
+
+
+def newton_schulz_many(xs, dtype=torch.float32):
+    """newton_schulz of each matrix of xs, the same-shaped ones stacked (one bmm chain each)."""
+    out = [None] * len(xs)
+    for idx in by_shape(xs):
+        ys = newton_schulz(torch.stack([xs[i] for i in idx]), dtype)   # (k, m, n)
+        for j, i in enumerate(idx):
+            out[i] = ys[j]
+    return out
 
 
 def newton_schulz_gram(blocks, group, dtype=torch.float32, steps=STEPS):
     """newton_schulz of several matrices each cut along its long side over `group`: blocks are this
-    rank's X_i (small, large/t), already oriented; the Frobenius norms and the Gram matrices summed
-    over the ranks, one all-reduce for all the blocks at each step. Returns the orthogonalised
-    blocks."""
+    rank's X_i (small, large/t), already oriented, stacked by shape; the Frobenius norms and the
+    Gram matrices summed over the ranks, one all-reduce for all the blocks at each step. Returns
+    the orthogonalised blocks."""
     a, b, c = NS
-    Ys = [x.to(dtype) for x in blocks]
-    sq = all_reduce(torch.stack([(y.float() ** 2).sum() for y in Ys]), group, "optim")  # (n,)
-    Ys = [y / sq[i].sqrt().clamp(min=EPS).to(dtype) for i, y in enumerate(Ys)]
+    stacks = [torch.stack([blocks[i] for i in idx]).to(dtype) for idx in by_shape(blocks)]
+    sq = all_reduce(torch.cat([(y.float() ** 2).sum((-2, -1)) for y in stacks]), group,
+                    "optim")                                        # (n,): every block's Σx²
+    norms = sq.sqrt().clamp(min=EPS).to(dtype).split([len(y) for y in stacks])
+    Ys = [y / n[:, None, None] for y, n in zip(stacks, norms)]      # [(k, small, large/t)]
     for _ in range(steps):
-        grams = [y @ y.t() for y in Ys]                             # [(small, small)]
+        grams = [y @ y.mT for y in Ys]                              # [(k, small, small)]
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grams]), group, "optim")
-        Gs = flat.split([g.numel() for g in grams])
-        Ys = [a * y + (b * G.view_as(g) + c * G.view_as(g) @ G.view_as(g)) @ y
-              for y, G, g in zip(Ys, Gs, grams)]
-    return Ys
+        Gs = [G.view_as(g) for G, g in zip(flat.split([g.numel() for g in grams]), grams)]
+        Ys = [a * y + (b * G + c * G @ G) @ y for y, G in zip(Ys, Gs)]
+    out = [None] * len(blocks)
+    for idx, ys in zip(by_shape(blocks), Ys):
+        for j, i in enumerate(idx):
+            out[i] = ys[j]
+    return out
+
+
+def gathered_all(blocks, dims, group):
+    """The whole matrices of several pieces, each cut along its dim in `dims` over `group`, from
+    this rank's `blocks`, in one all-gather: the blocks (oriented so the cut runs along the last
+    dim) flattened into one buffer, gathered, and cut back per piece and rank."""
+    oriented = [x.t() if dim == 0 else x for x, dim in zip(blocks, dims)]   # (a, b/t) each
+    flat = torch.cat([y.reshape(-1) for y in oriented])                       # (L,)
+    t = group_size(group)
+    every = all_gather_last(flat, group, "optim").view(t, -1)                 # (t, L)
+    out, start = [], 0
+    for y, dim in zip(oriented, dims):
+        part = every[:, start:start + y.numel()].reshape(t, *y.shape)         # (t, a, b/t)
+        whole = torch.cat(list(part), dim=-1)                                 # (a, b)
+        out.append(whole.t() if dim == 0 else whole)
+        start += y.numel()
+    return out
 
 
 class Piece:
@@ -132,37 +177,50 @@ class MuonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def muon_step(self, group):
         """Nesterov momentum, the orthogonalised update of every piece, then decay and the step;
-        nothing moves where found_inf is 1 (a non-finite gradient, train.py's flag)."""
+        nothing moves where found_inf is 1 (a non-finite gradient, train.py's flag). Collectives
+        come in buckets, whatever the number of matrices: under --dp_shard one all-gather of every
+        update over dp; over TP one all-gather of every gathered piece and 1 + 5 all-reduces for
+        every Gram piece; the Newton-Schulz steps of same-shaped matrices are one bmm chain."""
         found = getattr(self, "found_inf", None)
         keep = 1.0 if found is None else (found == 0).to(torch.float32)   # (0: skip this step)
-        work, grams, gathers = [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            update = self.nesterov(p, group["momentum"], found, keep)   # (TP-local, dp gathered)
+        work = [p for p in group["params"] if p.grad is not None]
+        updates = self.updates(work, group["momentum"], found, keep)   # (TP-local, dp gathered)
+        whole, gather, gram = [], [], []
+        for p in work:
             for piece in group["pieces"][p]:
-                x = piece.block(update)
+                x = piece.block(updates[p])
                 if piece.mode == "gram":   # oriented (small, large): the cut runs along columns
-                    grams.append((p, piece, x.t() if piece.dim == 0 else x))
+                    gram.append(((p, piece.start), piece, x.t() if piece.dim == 0 else x))
                 else:
-                    gathers.append((p, piece, x))
-            work.append(p)
+                    (gather if piece.mode == "gather" else whole).append(((p, piece.start),
+                                                                          piece, x))
+        tp = group["tp"]
+        fulls = [x for *_, x in whole]
+        if gather:
+            fulls += gathered_all([x for *_, x in gather], [pc.dim for _, pc, _ in gather],
+                                  tp.group)
         out = {}
-        for p, piece, x in gathers:
-            full = x if piece.mode == "whole" else self.gathered(x, piece.dim, group["tp"])
-            ortho = newton_schulz(full.float(), group["ns_dtype"])
-            if piece.mode == "gather":
-                ortho = ortho.chunk(piece.t, piece.dim)[group["tp"].tp_rank]
-            out[(p, piece.start)] = ortho
-        if grams:
-            ys = newton_schulz_gram([x for *_, x in grams], group["tp"].group, group["ns_dtype"])
-            for (p, piece, _), y in zip(grams, ys):
-                out[(p, piece.start)] = y.t() if piece.dim == 0 else y
+        for (key, piece, _), y in zip(whole + gather, newton_schulz_many(
+                [f.float() for f in fulls], group["ns_dtype"])):
+            out[key] = y if piece.mode == "whole" else y.chunk(piece.t, piece.dim)[tp.tp_rank]
+        if gram:
+            ys = newton_schulz_gram([x for *_, x in gram], tp.group, group["ns_dtype"])
+            for (key, piece, _), y in zip(gram, ys):
+                out[key] = y.t() if piece.dim == 0 else y
         self.apply(group, work, out, keep)
 
+    def updates(self, params, momentum, found, keep):
+        """{p: its Nesterov update, whole on this TP rank}: under --dp_shard each on this dp rank's
+        rows, then every sharded one gathered over dp in one all-gather (dp_gathered)."""
+        rows = {p: self.nesterov(p, momentum, found, keep) for p in params}
+        sharded = [p for p in params if dp_shard.is_sharded(p)]
+        if sharded:
+            rows.update(zip(sharded, dp_gathered(sharded, [rows[p] for p in sharded])))
+        return rows
+
     def nesterov(self, p, momentum, found, keep):
-        """The momentum step of p's buffer and p's Nesterov update, whole on this TP rank: under
-        --dp_shard on this dp rank's rows, then the update gathered over dp (see dp_gathered)."""
+        """The momentum step of p's buffer and p's Nesterov update (under --dp_shard: of this dp
+        rank's rows)."""
         st = self.state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(p)             # (a dp shard, as p is)
@@ -171,15 +229,7 @@ class MuonAdamW(torch.optim.AdamW):
         g = grad if found is None else torch.where(found > 0, 0.0, grad)   # (no NaN in)
         buf.lerp_(g, (1 - momentum) * keep)                         # (unchanged when skipped)
         st["step"] += 1
-        update = g.lerp(buf, momentum)                              # (Nesterov)
-        return dp_gathered(p, update) if dp_shard.is_sharded(p) else update
-
-    @staticmethod
-    def gathered(x, dim, tp):
-        """The whole piece from every rank's block, cut along `dim`."""
-        if dim == 0:
-            return all_gather_last(x.t(), tp.group, "optim").t()
-        return all_gather_last(x, tp.group, "optim")
+        return g.lerp(buf, momentum)                                # (Nesterov)
 
     @staticmethod
     def apply(group, params, out, keep):
@@ -194,17 +244,27 @@ class MuonAdamW(torch.optim.AdamW):
                     view.sub_(step * (lr * piece.lr_scale * keep))
 
 
-def dp_gathered(p, rows):
-    """Under --dp_shard: the whole TP-local update of p from each dp rank's `rows` (FSDP2 cuts dim 0
-    as torch.chunk does, ceil(m/dp) rows a rank: padded to that, gathered, cut back). Gathered
-    rather than orthogonalised shard-wise: a dp shard holds rows of the TP-local tensor, which for
-    an A (r, d/t) cut the short side r (X·Xᵀ needs whole rows) and for a stacked qkv cut across
-    pieces; its bytes are one all-gather of the matrices, as FSDP2's own before a forward."""
-    m, mesh = p.shape[0], p.device_mesh
-    size = dp_shard.chunk_rows(m, mesh.size())
-    padded = rows.new_zeros((size, *rows.shape[1:]))                # (ceil(m/dp), n)
-    padded[:len(rows)] = rows
-    return all_gather_last(padded.t(), mesh.get_group(), "optim").t()[:m]   # (m, n)
+def dp_gathered(params, rows):
+    """Under --dp_shard: the whole TP-local updates of `params` from each dp rank's `rows` (FSDP2
+    cuts dim 0 as torch.chunk does, ceil(m/dp) rows a rank: padded to that), in one all-gather of
+    them all, cut back. Gathered rather than orthogonalised shard-wise: a dp shard holds rows of
+    the TP-local tensor, which for an A (r, d/t) cut the short side r (X·Xᵀ needs whole rows) and
+    for a stacked qkv cut across pieces; its bytes are one all-gather of the matrices, as FSDP2's
+    own before a forward."""
+    mesh = params[0].device_mesh
+    dp, padded = mesh.size(), []
+    for p, r in zip(params, rows):
+        pad = r.new_zeros((dp_shard.chunk_rows(p.shape[0], dp), *r.shape[1:]))   # (ceil(m/dp), n)
+        pad[:len(r)] = r
+        padded.append(pad)
+    flat = torch.cat([x.reshape(-1) for x in padded])                         # (L,)
+    every = all_gather_last(flat, mesh.get_group(), "optim").view(dp, -1)     # (dp, L)
+    out, start = [], 0
+    for p, x in zip(params, padded):
+        part = every[:, start:start + x.numel()].reshape(dp, *x.shape)        # (dp, rows, n)
+        out.append(part.reshape(-1, *x.shape[1:])[:p.shape[0]])               # (m, n)
+        start += x.numel()
+    return out
 
 
 def configure(model, tc, prefer=None):
@@ -217,21 +277,72 @@ def configure(model, tc, prefer=None):
     adam = [p for p in params if id(p) not in matrices]
     groups = [{"params": [p for p in adam if p.dim() >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for p in adam if p.dim() < 2], "weight_decay": 0.0}]
+    said = ""
     if matrices:
         tp = getattr(model, "tp", None)
         specs = dict(model.named_specs()) if hasattr(model, "named_specs") else {}
         names = {id(p): n for n, p in model.named_parameters()}
         mats = [p for p in params if id(p) in matrices]
-        pieces = {p: (pieces_of(specs[names[id(p)]], p.shape, tp.size, prefer) if specs
-                      else [Piece(0, p.shape[0], p.shape, None, 1)]) for p in mats}
         cuda = mats[0].is_cuda
-        groups.append({"params": mats, "muon": True, "pieces": pieces, "tp": tp,
+
+        def cut(mode):
+            return {p: (pieces_of(specs[names[id(p)]], p.shape, tp.size, mode) if specs
+                        else [Piece(0, p.shape[0], p.shape, None, 1)]) for p in mats}
+        if prefer is None and tc.muon_mode != "auto":
+            prefer = tc.muon_mode
+        if prefer is None:   # auto: the cheaper of the two for the pieces the Gram path fits
+            prefer, said = choose_mode(cut("gram"), cuda, tc.muon_alpha_us, tc.muon_gbps)
+        groups.append({"params": mats, "muon": True, "pieces": cut(prefer), "tp": tp,
                        "momentum": tc.muon_momentum, "weight_decay": tc.weight_decay,
                        "lr_ratio": tc.muon_lr / tc.learning_rate,
                        "ns_dtype": torch.bfloat16 if cuda else torch.float32})
     # fused: one kernel a step, which skips its update on the device where found_inf is 1
     cls = MuonAdamW if matrices else torch.optim.AdamW
-    return cls(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), fused=True)
+    opt = cls(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), fused=True)
+    opt.said = said   # (train.py logs it once)
+    return opt
+
+
+# the α-β cost of a collective, α + bytes / bandwidth, by backend (--muon_alpha_us, --muon_gbps
+# override): gloo over a host's loopback or Ethernet; NCCL within an NVLink node
+LINKS = {"gloo": (50.0, 1.0), "nccl": (10.0, 100.0)}   # (α in µs, GB/s)
+
+
+def choose_mode(pieces, cuda, alpha_us=0.0, gbps=0.0):
+    """("gram" or "gather", a line saying why) for the pieces the Gram path fits (cut along their
+    long side), by the α-β cost of each path's bucketed collectives: Gram, 1 + 5 all-reduces of
+    every piece's Σx² and r×r Gram (ring: 2(t−1)/t of the bytes); gather, one all-gather of the
+    matrices ((t−1)/t), its α paid anyway when other pieces gather. A tie goes to Gram, which also
+    splits the large products t ways."""
+    alpha, bw = LINKS["nccl" if cuda else "gloo"]
+    alpha, bw = (alpha_us or alpha) * 1e-6, (gbps or bw) * 1e9
+    flat = [pc for pcs in pieces.values() for pc in pcs]
+    fits = [pc for pc in flat if pc.mode == "gram"]
+    if not fits:
+        return "gather", ""
+    t, size = fits[0].t, 2 if cuda else 4   # (bf16 on a GPU, fp32 on a CPU: ns_dtype)
+    gram_bytes = sum(STEPS * min(pc.full) ** 2 + 1 for pc in fits) * size * 2 * (t - 1) / t
+    gather_bytes = sum(pc.full[0] * pc.full[1] for pc in fits) * size * (t - 1) / t
+    others = any(pc.mode == "gather" for pc in flat)
+    gram = (1 + STEPS) * alpha + gram_bytes / bw
+    gather = (0 if others else alpha) + gather_bytes / bw
+    mode = "gram" if gram <= gather else "gather"
+    return mode, (f"muon: {mode} for the {len(fits)} pieces cut along their long side (α-β cost "
+                  f"a step: gram {gram * 1e3:.3f} ms, gather {gather * 1e3:.3f} ms at "
+                  f"α {alpha * 1e6:g} µs, {bw / 1e9:g} GB/s; --muon_mode to choose)")
+
+
+def collectives(optimizer):
+    """The collectives of one Muon step (the ledger's calls in phase "optim"), whatever the number
+    of matrices: one all-gather over dp under --dp_shard, one all-gather of the gathered pieces
+    over TP, and 1 + 5 all-reduces for the Gram pieces."""
+    total = 0
+    for g in optimizer.param_groups:
+        if g.get("muon"):
+            modes = {pc.mode for pcs in g["pieces"].values() for pc in pcs}
+            total += any(dp_shard.is_sharded(p) for p in g["params"])
+            total += ("gather" in modes) + (1 + STEPS) * ("gram" in modes)
+    return total
 
 
 def muon_params(model):

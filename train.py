@@ -131,6 +131,8 @@ def train(plan, argv, resume, interrupt):
         kernels.describe(place.device) +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}, {place.threads}")
     log(f"options: {options.chosen(cfg, tc)}")
+    if optimizer.said:   # (Muon's collectives over TP, as chosen)
+        log(optimizer.said)
     log(placement.sizing_line(cfg, tc, n_params, place, plan.dtype))
     run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num,
                                        tc.tensorboard, run.tokens_per_iter,

@@ -73,6 +73,10 @@ class TrainConfig:
     optimizer: str = "adamw"
     muon_lr: float = 0.02          # Muon's peak learning rate (the schedule scales it alike)
     muon_momentum: float = 0.95    # Muon's Nesterov momentum
+    # Muon over TP: auto (the α-β cheaper) | gram (r×r all-reduces) | gather (the matrices)
+    muon_mode: str = "auto"
+    muon_alpha_us: float = 0.0     # a collective's latency for auto; 0: gloo 50, NCCL 10
+    muon_gbps: float = 0.0         # its bandwidth, GB/s, for auto; 0: gloo 1, NCCL 100
     # --- parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
@@ -101,7 +105,8 @@ CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "layout": ("auto",) + sharding.LAYOUTS,
            "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"),
            "kernels": kernels.BACKENDS,
-           "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon")}
+           "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),
+           "muon_mode": ("auto", "gram", "gather")}
 FAULTS = ("kill", "nan", "kill_in_save")
 
 
@@ -313,14 +318,15 @@ def check_values(tc):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1",
-                 "beta2", "muon_lr", "muon_momentum"):
+                 "beta2", "muon_lr", "muon_momentum", "muon_alpha_us", "muon_gbps"):
         if not math.isfinite(getattr(tc, name)):
             raise ValueError(f"{name}={getattr(tc, name)} must be a finite number")
     if tc.seed >= 2 ** 63:   # (torch.manual_seed takes a signed 64-bit integer)
         raise ValueError(f"seed={tc.seed} must be below 2**63")
     if tc.learning_rate <= 0:
         raise ValueError(f"learning_rate={tc.learning_rate} must be positive")
-    for name in ("min_lr", "weight_decay", "grad_clip", "peak_tflops"):
+    for name in ("min_lr", "weight_decay", "grad_clip", "peak_tflops", "muon_alpha_us",
+                 "muon_gbps"):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     if tc.min_lr > tc.learning_rate:

@@ -103,6 +103,9 @@ def _worker(tp_rank, world, meshes):
                 dist.all_reduce(mean, group=mesh.get_group("dp"))
                 torch.testing.assert_close(mean / dp, loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
                 assert parallel.LEDGER.total("tp", "optim") == muon.traffic(opt), where
+                # buckets: a handful of collectives a step, however many matrices (closed form)
+                calls = parallel.LEDGER.total(phase="optim", unit="calls")
+                assert calls == muon.collectives(opt) <= 1 + 1 + 1 + muon.STEPS, (where, calls)
                 layer = muon.per_layer_traffic(layout, ref.cfg, tp, prefer)   # (the closed form)
                 assert muon.traffic(opt) == ref.cfg.n_layer * layer and (layer > 0) == (tp > 1), where
                 assert parallel.LEDGER.total("dp", "optim") == muon.traffic(opt, "dp"), where
@@ -144,6 +147,20 @@ def test_traffic_formula_counts_gram_and_gather():
     assert muon.traffic(opt) == 3 * 8 * 32
 
 
+def test_auto_mode_takes_the_cheaper_path_by_its_alpha_beta_cost():
+    """choose_mode: few small pieces on gloo's link gather (one collective against six); wide
+    pieces (r = 8 of a 4096-wide matrix) on a link with no latency take the r×r Gram path; the
+    line says both costs; a layout that cuts no piece along its long side gathers, silently."""
+    def pieces(r, n, k):
+        return {"A": [muon.Piece(i * r, r, (k * r, n // 2), 1, 2, prefer="gram") for i in range(k)]}
+    mode, said = muon.choose_mode(pieces(8, 32, 3), cuda=False)
+    assert mode == "gather" and "gram 0.3" in said and "α 50 µs, 1 GB/s" in said, said
+    mode, said = muon.choose_mode(pieces(8, 4096, 3), cuda=False, alpha_us=1e-3)
+    assert mode == "gram" and said.startswith("muon: gram for the 3 pieces"), said
+    tall = {"B": [muon.Piece(0, 8, (8, 32), 0, 2, prefer="gram")]}   # (cut along its short side)
+    assert muon.choose_mode(tall, cuda=False) == ("gather", "")
+
+
 def saved(path):
     """A checkpoint's tensors under their single-device names (DCP's own converter)."""
     import tempfile
@@ -183,3 +200,15 @@ def test_train_py_muon_dp_shard_and_pp2_tp2_equal_one_process_and_resume(tmp_pat
         check(name, one[3:])
     resumed = losses(run_train(tmp_path / "half", data_dir, *common[1:], "--init_from=resume"))
     assert resumed == one, (resumed, one)
+
+
+def test_collectives_a_step_do_not_grow_with_the_layers():
+    """bench.py optim's count at the papers' 1B and 7B CoLA shapes under BTP at tp=4 (meta device):
+    14 matrices a layer (7 projections, A and B), one all-gather a step for all of them, or the Gram
+    path's 6 all-reduces; before buckets the gather path issued one a matrix."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_optim
+    assert bench_optim.counts() == [["paper_1b", "gram", 14 * 24, 6, 6], ["paper_1b", "gather", 14 * 24, 14 * 24, 1],
+                                    ["paper_7b", "gram", 14 * 32, 6, 6], ["paper_7b", "gather", 14 * 32, 14 * 32, 1]]

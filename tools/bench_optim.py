@@ -69,5 +69,48 @@ def bench(iters, extra, rounds):
              + (f" ({' '.join(extra)})" if extra else " (the default run's shape)"))
     out = {f"{arch} {opt}": {"ms_per_iter": runs[(arch, opt)], "optimizer_ms": alone[(arch, opt)]}
            for arch, opt in CASES}
-    return title + "\n\n" + table(["arch", "optimizer", "ms / iteration (median)", "each round",
-                                   "optimizer step alone, ms"], rows), out
+    counted = counts()
+    out["collectives"] = counted
+    return (title + "\n\n" + table(["arch", "optimizer", "ms / iteration (median)", "each round",
+                                    "optimizer step alone, ms"], rows) +
+            "\n\nMuon's collectives a step, BTP at tp=4, the papers' CoLA shapes (counted on the "
+            "meta device):\n\n" + table(["shape", "mode", "matrices (pieces) a rank holds",
+                                         "collectives before buckets", "after"], counted)), out
+
+
+def unbucketed(optimizer):
+    """The collectives one Muon step issued before buckets: an all-gather per gathered piece, the
+    Gram path's 1 + 5 all-reduces, an all-gather over dp per sharded matrix."""
+    import muon
+    total = 0
+    for g in optimizer.param_groups:
+        if g.get("muon"):
+            pieces = [pc for pcs in g["pieces"].values() for pc in pcs]
+            total += sum(pc.mode == "gather" for pc in pieces)
+            total += (1 + muon.STEPS) * any(pc.mode == "gram" for pc in pieces)
+    return total
+
+
+def counts(shapes=("paper_1b", "paper_7b"), tp=4):
+    """[[shape, mode, Muon's matrices (pieces) a rank holds, collectives a step before buckets,
+    after]] of the papers' CoLA models under BTP at tp=4, built on the meta device (counts only)."""
+    import torch
+    import layouts
+    import muon
+    import parallel
+    from model import Llama
+    from plumbing import options
+    root = Path(__file__).resolve().parents[1]
+    rows = []
+    for shape in shapes:
+        cfg, tc = options.parse_args([str(root / "configs" / f"{shape}.toml"), "--arch=cola",
+                                      "--optimizer=muon", f"--tp={tp}", "--mlp_multiple_of=32"])
+        cfg.vocab_size = 32000
+        with torch.device("meta"):
+            model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, tp), "btp")
+        for mode in ("gram", "gather"):
+            opt = muon.configure(model, tc, mode)
+            pieces = sum(len(pcs) for g in opt.param_groups if g.get("muon")
+                         for pcs in g["pieces"].values())
+            rows.append([shape, mode, pieces, unbucketed(opt), muon.collectives(opt)])
+    return rows
