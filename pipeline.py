@@ -1,8 +1,9 @@
 """pipeline.py: pipeline parallelism, the pp dimension of BOOST's 3D layouts (arXiv 2512.12131 §6).
 
 Each pipeline stage is a layouts.TPLlama holding n_layer/pp layers (the embedding on the first
-stage, the final norm and LM head on the last); torch.distributed.pipelining's schedules (1F1B or
-GPipe) run the micro-batches through them. Between stages the residual stream travels as the layout
+stage, the final norm and LM head on the last); torch.distributed.pipelining's schedules (1F1B,
+GPipe, and the multi-stage interleaved 1F1B and zero-bubble with one stage a rank) run the
+micro-batches through them. Between stages the residual stream travels as the layout
 holds it, (b, s, d/t) under BTP, and under LaX the previous layer's latents ride beside it.
 Notation: b batch, s sequence, d n_embd, t tp degree, V vocabulary.
 """
@@ -10,6 +11,12 @@ import torch
 import torch.distributed as dist
 
 from parallel import LEDGER, VocabParallelCrossEntropy
+
+
+# the schedules built for several stages a rank, run here with one: interleaved 1F1B's order, and
+# zero-bubble's, which splits each backward into the input's gradient (sent at once) and the
+# weights' (deferred into what would be the bubble)
+MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
 
 
 class Pipeline:
@@ -31,8 +38,13 @@ class Pipeline:
         def loss_fn(logits, targets):  # (b, s, V/t), (b, s)
             return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
                                                    tp_group).mean()
-        kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        self.schedule = kind(stage, n_micro, loss_fn=loss_fn)
+        if schedule in MULTI:   # (these take a list of stages: here one a rank)
+            from torch.distributed import pipelining
+            self.schedule = getattr(pipelining, MULTI[schedule])([stage], n_micro,
+                                                                 loss_fn=loss_fn)
+        else:
+            kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self.schedule = kind(stage, n_micro, loss_fn=loss_fn)
         self.n_micro, self.shapes = n_micro, None
         stage_model.register_forward_hook(self._shapes)
 

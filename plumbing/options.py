@@ -82,7 +82,8 @@ class TrainConfig:
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
     layout: str = "auto"           # auto (btp, or megatron for full) | btp | vanilla | megatron
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
-    pp_schedule: str = "1f1b"      # 1f1b | gpipe (torch.distributed.pipelining)
+    # 1f1b | gpipe | interleaved_1f1b | zero_bubble (torch.distributed.pipelining; one stage a rank)
+    pp_schedule: str = "1f1b"
     recompute: str = "none"  # activation checkpointing: none | layer | lowrank (checkpointing.py)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
@@ -103,7 +104,7 @@ class TrainConfig:
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
            "layout": ("auto",) + sharding.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe"),
+           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"),
            "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),
            "muon_mode": ("auto", "gram", "gather")}

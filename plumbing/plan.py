@@ -63,10 +63,16 @@ def make(cfg, tc, world):
                          f"divisible by the {dp} data-parallel ranks")
     layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
     sharding.check_divisible(cfg, tc.tp, layout, tc.pp)
-    if tc.pp > 1 and tc.pp_schedule == "1f1b" and tc.gradient_accumulation_steps // dp < tc.pp:
-        raise ValueError(f"1F1B needs at least pp={tc.pp} micro-batches per data-parallel rank: "
-                         f"raise gradient_accumulation_steps to {tc.pp * dp} or use "
-                         "--pp_schedule=gpipe")
+    n_micro = tc.gradient_accumulation_steps // dp
+    if tc.pp > 1 and tc.pp_schedule != "gpipe" and n_micro < tc.pp:
+        raise ValueError(f"--pp_schedule={tc.pp_schedule} needs at least pp={tc.pp} micro-batches "
+                         f"per data-parallel rank: raise gradient_accumulation_steps to "
+                         f"{tc.pp * dp} or use --pp_schedule=gpipe")
+    rounds = max(1, n_micro // tc.pp)   # (torch's interleaved schedules run the micro-batches so)
+    if tc.pp > 1 and tc.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n_micro % rounds:
+        raise ValueError(f"--pp_schedule={tc.pp_schedule} runs its {n_micro} micro-batches per "
+                         f"data-parallel rank in rounds of pp={tc.pp}: give a multiple of "
+                         f"{rounds} (gradient_accumulation_steps {rounds * tc.pp * dp})")
     if tc.dp_shard != "none":
         check_dp_shard(tc, dp)
     checkpointing.check_recompute(cfg, tc.recompute)

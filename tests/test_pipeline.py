@@ -22,7 +22,8 @@ def _pipeline_worker(rank, world, meshes):
         tp_handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
         dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
         for arch, layout, schedule, tied in (("cola", "btp", "1f1b", False), ("full", "megatron", "gpipe", False),
-                                             ("cola", "btp", "1f1b", True)):
+                                             ("cola", "btp", "1f1b", True), ("cola", "btp", "zero_bubble", False),
+                                             ("cola", "vanilla", "interleaved_1f1b", False)):
             where = f"{arch}/{layout} {schedule} tied={tied} dp={dp} pp={pp} tp={tp}"
             torch.manual_seed(0)
             ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied))
@@ -68,7 +69,9 @@ PP_RUN = ["--n_layer=4", "--max_iters=4", "--eval_interval=2", "--lr_decay_iters
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layout", [(4, ["--pp=2", "--tp=2", "--recompute=lowrank"]),   # pp=2 alone:
-                                           (4, ["--pp=2", "--dp=2", "--pp_schedule=gpipe"])])    # the next test
+                                           (4, ["--pp=2", "--dp=2", "--pp_schedule=gpipe"]),     # the next test
+                                           (4, ["--pp=2", "--tp=2", "--pp_schedule=zero_bubble",
+                                                "--recompute=lowrank"])])
 def test_pipeline_training_reproduces_single_device(tmp_path, data_dir, nproc, layout):
     single = run_train(tmp_path / "one", data_dir, *PP_RUN)
     torchrun(nproc, f"--out_dir={tmp_path / 'pp'}", f"--data_dir={data_dir}", *TINY, *PP_RUN, *layout)
