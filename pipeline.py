@@ -16,7 +16,8 @@ from parallel import LEDGER, VocabParallelCrossEntropy
 # the schedules built for several stages a rank, run here with one: interleaved 1F1B's order, and
 # zero-bubble's, which splits each backward into the input's gradient (sent at once) and the
 # weights' (deferred into what would be the bubble)
-MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
+MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B",
+         "zero_bubble": "ScheduleInterleavedZeroBubble"}
 
 
 class Pipeline:

@@ -104,7 +104,8 @@ class TrainConfig:
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
            "layout": ("auto",) + sharding.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE, "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"),
+           "recompute": checkpointing.RECOMPUTE,
+           "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"),
            "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),
            "muon_mode": ("auto", "gram", "gather")}
