@@ -25,6 +25,8 @@
                                    # and of the optimizer step alone (bench_optim.py)
     python tools/bench.py quality  # time to the dense model's val loss, CoLA under BTP against
                                    # dense under Megatron at tp=2, --seeds=3 (bench_quality.py)
+    python tools/bench.py threads  # make train's model at 1, 2 and train.py's chosen threads,
+                                   # idle and beside two busy processes (bench_threads.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
                                    # Triton vs PyTorch, and a 1B-shaped training step per arch,
                                    # compile off/on (bench_gpu.py)
@@ -274,7 +276,7 @@ def bench_checkpoint(extra):
 
 
 BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
-           "dp_shard", "startup", "optim", "quality")
+           "dp_shard", "startup", "optim", "quality", "threads")
 
 
 def rounds_of(extra, default):
@@ -371,6 +373,9 @@ def main(argv):
         import bench_quality
         sweep = any(a.startswith("--sweep") for a in extra)
         text, out = (bench_quality.sweep if sweep else bench_quality.bench)(extra)
+    elif what == "threads":
+        import bench_threads
+        text, out = bench_threads.bench(iters if iters != 10 else 50, rounds_of(extra, 3))
     elif what == "startup":
         import bench_startup
         text, out = bench_startup.bench(rounds_of(extra, 2))
