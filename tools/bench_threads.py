@@ -1,5 +1,5 @@
-"""bench_threads.py: `python tools/bench.py threads`: make train's model at 1 and 2 CPU threads and at
-train.py's own choice (--threads=0), on an idle machine and under a background load of two busy
+"""bench_threads.py: `python tools/bench.py threads`: make train's model at 1 and 2 CPU threads and
+at train.py's own choice (--threads=0), on an idle machine and under a background load of two busy
 processes the bench starts itself.
 
 Not in the BOOST paper (arXiv 2512.12131): what a training step costs on a shared CPU. Each run is
