@@ -96,7 +96,7 @@ class TrainConfig:
     compile: bool = False
     seed: int = 1337
     peak_tflops: float = 0.0       # your device's peak, for MFU; 0: report TFLOP/s only
-    sample_tokens: int = 200       # generated at the end; 0: none
+    sample_tokens: int = 100       # generated at the end (no KV cache: each reruns the context)
     timeout_s: int = 600           # process-group timeout
     threads: int = 0   # a CPU process's threads; 0: OMP_NUM_THREADS, else the idle cores, shared
 
