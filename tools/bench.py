@@ -69,16 +69,18 @@ def bench_archs(iters, extra):
 
 
 def bench_pp(iters, extra):
-    """Pipeline stages on this machine: step time and stage-boundary volume, pp=1 vs pp=2."""
+    """Pipeline stages on this machine: step time and stage-boundary volume, pp=1 vs pp=2 under
+    each schedule (4 micro-batches of 2)."""
     rows, out = [], {}
     args = ["--n_layer=4", "--batch_size=2", "--gradient_accumulation_steps=4",
             f"--max_iters={iters}",
             "--eval_interval=100000", *extra]
     with tempfile.TemporaryDirectory() as tmp:
         for name, nproc, layout in (("pp=1", 1, []), ("pp=2", 2, ["--pp=2"]),
-                                    ("pp=2 gpipe", 2, ["--pp=2", "--pp_schedule=gpipe"]),
+                                    *((f"pp=2 {k}", 2, ["--pp=2", f"--pp_schedule={k}"])
+                                      for k in ("gpipe", "interleaved_1f1b", "zero_bubble")),
                                     ("pp=2 x tp=2", 4, ["--pp=2", "--tp=2"])):
-            rec = train_run(nproc, [*args, *layout], f"{tmp}/{nproc}{len(layout)}")
+            rec = train_run(nproc, [*args, *layout], f"{tmp}/{len(out)}")   # (a folder each)
             last = [r for r in rec if "loss" in r][-1]
             out[name] = {"ms": steady(rec, "ms"), "pp_mb": last["pp_bytes"] / 1e6,
                          "tp_mb": last["tp_bytes"] / 1e6,
