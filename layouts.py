@@ -47,7 +47,8 @@ def traced(chunk):
     when no profiler runs it costs one check (layouts.py's chunks)."""
     @functools.wraps(chunk)
     def run(block, *args):
-        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():  # (no break)
+        # (under torch.compile no range: record_function would break the graph in two)
+        if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
             return chunk(block, *args)
         with record_function(f"{block.label}: {chunk.__name__}"):
             return chunk(block, *args)
@@ -370,7 +371,7 @@ class TPLlama(Sharded):
         x, lat = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute, lat)
         if not self.last:
             return torch.cat([x, *lat], -1) if lat else x          # to the next pipeline stage
-        if self.layout == "btp":
+        if self.layout == "btp":   # the head is cut along V ≫ d: move d numbers a token, not V
             x = Gather.apply(x, g)                                  # (b, s, d)
         x = kernels.rms_norm(x, self.norm, self.cfg.norm_eps)      # (b, s, d)
         head = self.head()                                          # (V/t, d)

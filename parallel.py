@@ -7,6 +7,18 @@ backward overlaps its all-reduce with the weight gradients (--overlap). Every co
 its op, group, phase and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it
 with the formulas and plumbing/explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
+
+The pairs, each a forward and its backward (Megatron's f and g, and the rest):
+
+    Copy (f)        forward: identity             backward: all-reduce of the input's gradient
+    Reduce (g)      forward: all-reduce           backward: identity
+    CopyUp          f fused with the GEMMs after it: backward's all-reduce overlaps dW
+    Gather          forward: all-gather (last)    backward: this rank's slice of the gradient
+    VocabParallelCrossEntropy  forward: 3 all-reduces of N (max, target logit, Σexp)
+                               backward: local
+
+Before the LM head BTP gathers the residual stream (b, s, d/t) -> (b, s, d) (Gather): the head is
+cut along the vocabulary, and V ≫ d, so moving d numbers a token beats moving its V logits.
 """
 from collections import defaultdict
 from dataclasses import dataclass
