@@ -271,3 +271,17 @@ def test_threads_bench_run_says_what_train_py_chose(tmp_path):
     assert ms > 0 and chosen == 1
     ms, chosen = bench_threads.run("0", 4, tmp_path / "auto")
     assert ms > 0 and 1 <= chosen <= len(os.sched_getaffinity(0))
+
+
+def test_the_quality_winner_config_is_the_benchs_cola_run():
+    """configs/cola_quality_cpu.toml trains what bench.py quality's CPU tier runs for CoLA (but the
+    tier's --tp, --layout and --eval_iters): every model and training option equal."""
+    import dataclasses
+    import bench_quality as q
+    from conftest import ROOT
+    from plumbing import options
+    mine = options.parse_args([str(ROOT / "configs" / "cola_quality_cpu.toml")])
+    theirs = options.parse_args([a for a in [*q.SHAPE, *q.RUNS["cola (btp)"]]
+                                 if not a.startswith(("--tp=", "--layout=", "--eval_iters="))])
+    assert [(c.shape(), dataclasses.asdict(t)) for c, t in (mine, theirs)][0] == \
+        [(c.shape(), dataclasses.asdict(t)) for c, t in (mine, theirs)][1]

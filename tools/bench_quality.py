@@ -30,9 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files: 
 # the CPU tier (the default): d=256, 4 layers, block 128, batch 16, at tp=2
 SHAPE = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--block_size=128", "--batch_size=16",
          "--warmup_iters=30", "--eval_iters=4", "--tp=2"]
-RUNS = {"dense (megatron)": ["--arch=full", "--layout=megatron", "--learning_rate=1e-3",
-                             "--max_iters=600"],
-        "cola (btp)": ["--arch=cola", "--layout=btp", "--learning_rate=3e-3", "--max_iters=900"]}
 EVAL_EVERY = 50
 # the GPU tier (--tier=gpu; one GPU: tp=1): CoLA-60M's shape (configs/cola_60m.toml), sequence 256,
 # 64 sequences a step (16K tokens), the dense model at lr 1e-3 for 2000 steps (33M tokens) against
@@ -43,6 +40,7 @@ RUNS_GPU = {"dense": ["--arch=full", "--learning_rate=1e-3", "--min_lr=1e-4", "-
             "cola": ["--arch=cola", "--learning_rate=4e-3", "--min_lr=4e-4",
                      "--lr_decay_iters=2000", "--max_iters=2500"]}
 OWN = ("seeds", "target", "target_step", "figure", "tier")   # the bench's; the rest go to train.py
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def recipe(arch, lr, decay, max_iters=None, rank=None):
@@ -52,6 +50,11 @@ def recipe(arch, lr, decay, max_iters=None, rank=None):
             f"--lr_decay_iters={decay}", f"--max_iters={max_iters or decay}",
             *([f"--attn_rank={rank}", f"--mlp_rank={rank}"] if rank else [])]
 
+
+# the CPU tier's runs: each side's best recipe of the sweep below (docs/quality.md), CoLA's also
+# configs/cola_quality_cpu.toml
+RUNS = {"dense (megatron)": ["--layout=megatron", *recipe("full", "1e-3", 600)],
+        "cola (btp)": ["--layout=btp", *recipe("cola", "3e-3", 750)]}
 
 # the recipe sweeps (`bench.py quality --sweep`), both sides alike: the dense model's first (its
 # best val loss at step 600 is the CoLA recipes' target), trained at tp=1: every layout is tested
