@@ -7,6 +7,7 @@ elsewhere), this rank's coordinates in it, and this rank's part of the single-de
 """
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -58,10 +59,27 @@ def choose_threads(threads, device, local_world):
     if not device.startswith("cpu"):
         return torch.get_num_threads(), "PyTorch's default (the GPU computes)"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    busy = min(cores - 1, round(os.getloadavg()[0]))
+    load, how = busy_now()
+    busy = min(cores - 1, round(load))
     n = max(1, (cores - busy) // local_world)
-    return n, (f"{cores} cores, {busy} busy by the load average, {local_world} rank(s) here; "
+    return n, (f"{cores} cores, {busy} busy by {how}, {local_world} rank(s) here; "
                "--threads=N to choose")
+
+
+def busy_now(seconds=0.25):
+    """(cores busy with other work, how it was read): the CPU time /proc/stat counts over a quarter
+    of a second (Linux), else the 1-minute load average, which still counts a job that ended a
+    minute ago."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)   # (idle, iowait)
+        return sum(values) - idle, sum(values)
+    try:
+        (b0, t0), _, (b1, t1) = sample(), time.sleep(seconds), sample()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0], "the load average"
+    return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), "the last 0.25 s of /proc/stat"
 
 
 def place_processes(plan):

@@ -13,21 +13,38 @@ from plumbing import options, placement, plan as plans
 
 
 def test_threads_are_chosen_from_the_idle_cores(monkeypatch):
-    """--threads wins, then OMP_NUM_THREADS; else the cores the load average leaves idle, shared by
-    the machine's ranks, never fewer than one; a GPU run keeps PyTorch's choice."""
+    """--threads wins, then OMP_NUM_THREADS; else the cores other work leaves idle, shared by the
+    machine's ranks, never fewer than one; a GPU run keeps PyTorch's choice."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    monkeypatch.setattr(placement, "busy_now", lambda: (0.2, "a stand-in"))
     assert placement.choose_threads(0, "cpu", 1)[0] == cores
     assert placement.choose_threads(3, "cpu", 1) == (3, "--threads")
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 5.0, 0.0, 0.0))   # a busy machine
+    monkeypatch.setattr(placement, "busy_now", lambda: (cores + 5.0, "a stand-in"))   # busy
     n, why = placement.choose_threads(0, "cpu", 1)
-    assert n == 1 and f"{cores} cores, {cores - 1} busy" in why
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert n == 1 and f"{cores} cores, {cores - 1} busy by a stand-in" in why
+    monkeypatch.setattr(placement, "busy_now", lambda: (0.0, "a stand-in"))
     assert placement.choose_threads(0, "cpu", 2 * cores)[0] == 1
     assert placement.choose_threads(0, "cuda:0", 1)[0] == torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert placement.choose_threads(0, "cpu", 1) == (1, "OMP_NUM_THREADS")
+
+
+def test_busy_cores_are_read_now_not_a_minute_ago():
+    """busy_now sees a busy process started a moment ago (the load average would not yet), and
+    not one that has ended."""
+    import subprocess
+    import sys
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+        time.sleep(0.5)
+        during = placement.busy_now(0.5)[0]
+        assert during > 0.6
+    finally:
+        busy.kill()
+        busy.wait()
+    assert placement.busy_now(0.5)[0] < during - 0.5   # (its core free again)
 
 
 def test_a_run_sets_its_threads_and_says_so(monkeypatch):

@@ -7,8 +7,7 @@ a fresh train.py process (the default model, `--iters` iterations, default 50) w
 OMP_NUM_THREADS set, so --threads=0 chooses as a user's run does; the three thread settings
 interleaved `--rounds` times (default 3) in each phase; a run's figure is train.py's median ms per
 iteration (the first 3 left out), the table's the median over rounds. The loaded phase starts its
-two busy processes (`while True: pass`) a minute before its first run, so that the 1-minute load
-average train.py reads has risen; the idle phase runs first, while the load average is low.
+two busy processes (`while True: pass`) a few seconds before its first run.
 """
 import os
 import re
@@ -47,13 +46,12 @@ def bench(iters, rounds, log=print):
             for phase in ("idle", "2 busy processes"):
                 if busy == [] and phase != "idle":
                     busy = [subprocess.Popen([PY, "-c", "while True: pass"]) for _ in range(2)]
-                    time.sleep(60)   # (the 1-minute load average rises)
+                    time.sleep(5)
                 for r in range(rounds):
                     for t in SETTINGS:
                         ms, chosen = run(t, iters, f"{tmp}/{len(out)}-{r}-{t}")
                         out.setdefault((phase, t), []).append((ms, chosen))
-                        log(f"  {phase}, --threads={t}: {ms:.1f} ms/iter ({chosen} threads), "
-                            f"load {os.getloadavg()[0]:.2f}")
+                        log(f"  {phase}, --threads={t}: {ms:.1f} ms/iter ({chosen} threads)")
     finally:
         for p in busy:
             p.kill()
