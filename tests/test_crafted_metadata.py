@@ -8,11 +8,29 @@ timeout: without the guard a doubling chain hashes for hours and a deep nest seg
 """
 import io
 import pickle
+from pathlib import Path
 
 import pytest
 
 from plumbing import integrity, pickle_scan
-from test_integrity import checkpoint, one_line_error, rewrite_meta, tool, tool_process  # noqa: F401
+from conftest import run_train
+from plumbing import train_state
+from test_integrity import one_line_error, rewrite_meta, tool, tool_process
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, data_dir):
+    """One small run's out_dir for the module (each test gets a copy to craft)."""
+    out = tmp_path_factory.mktemp("crafted") / "run"
+    run_train(out, data_dir, "--max_iters=2", "--eval_interval=2", "--n_kv_head=4")
+    return out
+
+
+@pytest.fixture
+def checkpoint(pristine, tmp_path):
+    import shutil
+    shutil.copytree(pristine, tmp_path / "run")
+    return Path(train_state.checkpoint_dirs(tmp_path / "run")[-1])
 
 PROTO = b"\x80\x04"
 DUP_CHAIN = PROTO + b"}N" + b"2\x86" * 60 + b"Ns."          # {((None, None), ...)²⁶⁰: None}
@@ -29,7 +47,7 @@ DEEP = PROTO + b"N" + b"\x85" * 1_000_000 + b"."           # (((None,),),...) a 
     (PROTO + b"]\x94h\x00\x85a.", "changes an object after it was shared"),   # L.append((L,))
     (PROTO + b"h\x05.", "not a whole pickle (KeyError)"),
     (PROTO + b"\x85.", "not a whole pickle (IndexError)")])
-def test_crafted_metadata_is_refused_in_one_line(tmp_path, checkpoint, crafted, said):  # noqa: F811
+def test_crafted_metadata_is_refused_in_one_line(tmp_path, checkpoint, crafted, said):
     """The two that would hang or crash the process go through a process of their own."""
     (checkpoint / ".metadata").write_bytes(crafted)
     rewrite_meta(checkpoint)
@@ -37,14 +55,14 @@ def test_crafted_metadata_is_refused_in_one_line(tmp_path, checkpoint, crafted, 
     one_line_error(run("export", checkpoint, tmp_path / "m.pt"), "unreadable or corrupt", said)
 
 
-def test_the_scan_admits_what_dcp_writes_and_caps_the_size(checkpoint):  # noqa: F811
+def test_the_scan_admits_what_dcp_writes_and_caps_the_size(checkpoint):
     data = (checkpoint / ".metadata").read_bytes()
     pickle_scan.scan(data)   # (every opcode of DCP's own writer, its nesting)
     with pytest.raises(pickle.UnpicklingError, match="past the"):
         pickle_scan.scan(b"N" * (pickle_scan.MAX_BYTES + 1))
 
 
-def test_a_metadata_that_covers_part_of_a_tensor_is_refused(tmp_path, checkpoint):  # noqa: F811
+def test_a_metadata_that_covers_part_of_a_tensor_is_refused(tmp_path, checkpoint):
     """Chunks must tile each tensor exactly: one shrunk (the rest would keep its initial values),
     one moved onto another (overlap), one past the edge."""
     real = (checkpoint / ".metadata").read_bytes()

@@ -72,7 +72,7 @@ def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch,
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])
     fwd, bwd, _ = per_layer_traffic(layout, cfg)
     optim = sum(e for (g, _, phase), (_, e) in totals.items() if (g, phase) == ("tp", "optim"))
-    assert optim == cfg.n_layer * muon.per_layer_traffic(layout, cfg, 2) > 0 and "optim · optimizer step" in out
+    assert optim == cfg.n_layer * muon.per_layer_traffic(layout, cfg, 2, "gather") > 0   # (auto here: gather) and "optim · optimizer step" in out
     # the first layer of each direction is printed in full (backward starts at the last layer)
     assert sum(sections["fwd · layer 0"]) == fwd * tokens and sum(sections["bwd · layer 1"]) == bwd * tokens
     assert table[layout] == (fwd, bwd)    # the side-by-side table: every layout against its formula

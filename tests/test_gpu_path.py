@@ -168,14 +168,14 @@ def test_every_way_of_writing_a_gpu_sets_an_indexed_current_device(monkeypatch, 
     for written, index in want.items():
         device = plan.resolve_device(written)
         assert device == f"cuda:{index}" and torch.device(device).index == index
-        place = placement.place_processes(SimpleNamespace(tc=None, world=1, dp=1, device=device))
+        place = placement.place_processes(SimpleNamespace(tc=train.options.TrainConfig(), world=1, dp=1, device=device))
         assert place.device == device
     assert seen == list(want.values())
     with pytest.raises(ValueError, match="specified index"):   # what the old code passed
         torch.cuda.set_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert plan.resolve_device("auto") == plan.resolve_device("cpu") == "cpu"
-    placement.place_processes(SimpleNamespace(tc=None, world=1, dp=1, device="cpu"))
+    placement.place_processes(SimpleNamespace(tc=train.options.TrainConfig(), world=1, dp=1, device="cpu"))
     assert seen == list(want.values())
 
 

@@ -35,7 +35,7 @@ REFERENCE = {
 # ---------------------------------------------------------------------------- the presets
 
 def test_every_preset_has_the_papers_shape():
-    assert {p.stem for p in CONFIGS.glob("*.toml")} == set(REFERENCE) | {"default"}
+    assert {p.stem for p in CONFIGS.glob("*.toml")} == set(REFERENCE) | {"default", "cola_quality_cpu"}
     for name, (d, f, h, layers, r, gate, tied, seq) in REFERENCE.items():
         cfg, tc = options.parse_args([str(CONFIGS / f"{name}.toml")])
         got = (cfg.n_embd, cfg.mlp_width, cfg.n_head, cfg.n_layer, cfg.attn_rank, cfg.mlp_gate, cfg.tie_embeddings,

@@ -227,7 +227,7 @@ def one_checkpoint(tmp_path_factory, data_dir):
                                   "{out}/checkpoints/iter_0000002"),
     (["export", "{ckpt}", "/no/such/dir/x.pt"], "the folder /no/such/dir of /no/such/dir/x.pt does not exist"),
     (["export", "{ckpt}", "{ckpt}/meta.json"], "meta.json exists: remove it or choose another name"),
-    (["sample", "/no/such.pt"], "/no/such.pt is not a file"),
+    (["sample", "/no/such.pt"], "/no/such.pt is not an exported file, a checkpoint folder or an out_dir"),
     (["sample", "{ckpt}/meta.json"], "is not an exported model"),
     (["sample", "{ckpt}/meta.json", "abc"], "expects a whole number, got 'abc'"),
     (["sample", "{ckpt}/meta.json", "-5"], "must be at least 1, got -5"),
