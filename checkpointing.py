@@ -44,8 +44,6 @@ every row above, with `lowrank` and with `layer` alike, each layer keeps (4·ra 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import dp_shard
-
 RECOMPUTE = ("none", "layer", "lowrank")
 
 
@@ -95,33 +93,3 @@ def check_recompute(cfg, recompute):
     if recompute == "lowrank" and not cfg.lowrank:
         raise ValueError("recompute=lowrank needs low-rank bottlenecks; arch=full uses none or "
                          "layer")
-
-
-class SavedBytes:
-    """Bytes an autograd graph saves for backward, parameters excluded, each storage counted once.
-
-        with SavedBytes(model) as meter:
-            loss = model(x, y)[1]
-        meter.bytes"""
-
-    def __init__(self, module):
-        self.params = {dp_shard.local(p).untyped_storage().data_ptr() for p in module.parameters()}
-        self.storages = {}
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    @property
-    def bytes(self):
-        return sum(self.storages.values())

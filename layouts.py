@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-import dp_shard
 import kernels
 import lax
 from checkpointing import run_layers
@@ -343,24 +342,12 @@ class TPLlama(Sharded):
         if self.layout == "btp":
             return self.tok_emb.chunk(self.tp.size, 1)[self.tp.tp_rank]
         # replicated use: every TP rank gets the same gradient, so one rank's counts (in
-        # reduce_tied_grad)
+        # sharding.reduce_tied_grad)
         return self.tok_emb if self.tp.tp_rank == 0 else self.tok_emb.detach()
 
     def head(self):
         """The LM head as this rank uses it, vocab-parallel: (V/t, d)."""
         return self.tok_emb.chunk(self.tp.size, 0)[self.tp.tp_rank] if self.tied else self.lm_head
-
-    def reduce_tied_grad(self):
-        """With tied embeddings: each TP rank holds the gradient of the slices it used (the
-        embedding's d/t columns under btp, the head's V/t rows): their sum over TP is the
-        single-device gradient."""
-        held = getattr(self, "tok_emb", None)
-        if self.tied and held is not None and held.grad is not None:
-            # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
-            g = self.tok_emb.grad
-            summed = all_reduce(dp_shard.local(g), self.tp.group, "grad")
-            if not dp_shard.is_sharded(g):   # (a shard is summed in place)
-                self.tok_emb.grad = summed
 
     def forward(self, x, targets=None):
         g = self.tp.group

@@ -185,13 +185,19 @@ def all_reduce_grads(model, dp_group):
 
 def reduce_tied_grad(model, pp_group=None):
     """Tied embeddings: the gradient of the one matrix is the sum of its uses' parts, over the TP
-    ranks (layouts.TPLlama.reduce_tied_grad), then over the first and the last pipeline stage, which
-    both hold it (middle stages add zeros). Afterwards every holder has the single-device gradient,
-    so the copies stay equal step after step. A no-op for untied models and on one device."""
+    ranks (each holds the gradient of the slices it used, layouts.TPLlama.embedding and head: the
+    embedding's d/t columns under btp, the head's V/t rows), then over the first and the last
+    pipeline stage, which both hold it (middle stages add zeros). Afterwards every holder has the
+    single-device gradient, so the copies stay equal step after step. A no-op for untied models."""
     model = getattr(model, "module", model)
     if not getattr(model, "tied", False):
         return
-    model.reduce_tied_grad()
+    held = getattr(model, "tok_emb", None)
+    if held is not None and held.grad is not None:
+        # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
+        summed = all_reduce(dp_shard.local(held.grad), model.tp.group, "grad")
+        if not dp_shard.is_sharded(held.grad):   # (a shard is summed in place)
+            held.grad = summed
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return
     held, cfg = getattr(model, "tok_emb", None), model.cfg

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import dp_shard
 import kernels
 import muon
-import prepare
+from plumbing import preparation
 import sharding
 from model import estimate_mfu
 from parallel import LEDGER
@@ -100,7 +100,7 @@ def train(plan, argv, resume, interrupt):
     log = print if master else (lambda *a, **k: None)
     # rank 0 prepares the corpus before the process group starts, so an hour of it meets no timeout
     try:
-        folder = prepare.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, tc.num_proc,
+        folder = preparation.prepare_once(tc.dataset, tc.tokenizer, tc.data_dir, tc.num_proc,
                                       tc.val_fraction, tc.text_field, log)
         splits = {s: data.TokenFile(folder, s, cfg.block_size, cfg.vocab_size)
                   for s in ("train", "val")}

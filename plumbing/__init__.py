@@ -15,6 +15,7 @@ interchange); none of the story imports this package. Here:
   weights      safetensors files read as data, for imports
   tokenizer    bytes, GPT-2, Hugging Face tokenizer.json and SentencePiece .model
   hf_tokenizer bytes and GPT-2 written as Hugging Face tokenizer.json files (for lm-eval)
+  preparation  a corpus to token files (prepare.py's work, and train.py's on first use)
   corpus       text, JSON Lines, Parquet and compressed corpora, read document by document
   data         prepared token files and the batches drawn from them
   explain      --explain=true: one recorded step, printed (notation: the names of its shapes)

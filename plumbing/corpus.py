@@ -1,4 +1,4 @@
-"""corpus.py: the files of a corpus, read as a stream of tasks for prepare.py's workers.
+"""corpus.py: the files of a corpus, read as a stream of tasks for preparation.py's workers.
 
 Not part of the BOOST paper (arXiv 2512.12131); what a pretraining corpus looks like on disk. A
 dataset is a file or a folder (recursive, sorted, hidden files skipped) of text files (one document

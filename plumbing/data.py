@@ -7,10 +7,10 @@ exactly what an uninterrupted one would.
 
 This file holds what training reads: the token files of a prepared corpus,
 <data_dir>/<name>-<tokenizer>/train.bin and val.bin (memmapped integers, nanoGPT style) beside
-meta.json (tokeniser, vocabulary size, token counts, checksums, source fingerprint). Everything that
-turns a corpus's files into token files is prepare.py (and corpus.py). This file imports no torch
-at import time, so prepare.py's workers stay small; hence the one helper the commands beside
-train.py share lives here too: CommandParser, argparse with train.py's one-line errors.
+meta.json (tokeniser, vocabulary size, token counts, checksums, source fingerprint). Everything
+that turns a corpus's files into token files is preparation.py (and corpus.py). This file imports
+no torch at import time, so preparation.py's workers stay small; hence the one helper the commands
+beside train.py share lives here too: CommandParser, argparse with train.py's one-line errors.
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-# the default corpus: Python's own help text, shipped with every CPython (prepare.py)
+# the default corpus: Python's own help text, shipped with every CPython (preparation.py)
 EMBEDDED = "pydoc"
 
 
@@ -63,7 +63,7 @@ class TokenFile:
         rng = np.random.default_rng([seed, self.STREAMS[stream], step])
         ix = rng.integers(0, len(self.data) - self.block_size,
                           size=global_batch)[start:start + count]
-        # here, not on top: prepare.py's worker processes import this file and need no torch
+        # here, not on top: preparation.py's worker processes import this file and need no torch
         import torch
         x = np.stack([self.data[i:i + self.block_size] for i in ix]).astype(np.int64)
         y = np.stack([self.data[i + 1:i + 1 + self.block_size] for i in ix]).astype(np.int64)

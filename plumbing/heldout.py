@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import prepare
+from plumbing import preparation
 from plumbing import options, placement, train_state
 from plumbing.data import TokenFile
 from plumbing.plan import make as make_plan
@@ -43,7 +43,7 @@ def sequences(folder, split, tokens, block_size):
 
 def run(args, log):
     """interchange.py eval: {loss, perplexity, bits_per_byte, tokens, bytes}, printed by rank 0."""
-    prepare.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
+    preparation.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
     cfg, meta = train_state.verified(args.checkpoint)
     tokenizer = meta.get("tokenizer", "bytes")
     train_state.check_tokenizer(args.checkpoint, meta, tokenizer)   # (gone or changed: one line)
@@ -51,7 +51,7 @@ def run(args, log):
     tc = replace(options.TrainConfig(), tp=args.tp, layout=args.layout, device=args.device,
                  dtype=args.dtype, tokenizer=tokenizer, gradient_accumulation_steps=world)
     plan = make_plan(cfg, tc, world)
-    folder = prepare.prepare_once(args.dataset, tokenizer, args.data_dir, tc.num_proc,
+    folder = preparation.prepare_once(args.dataset, tokenizer, args.data_dir, tc.num_proc,
                                   args.val_fraction, args.text_field, log)
     seqs = sequences(folder, args.split, args.tokens, cfg.block_size)   # (n, s + 1)
     place = placement.place_processes(plan)

@@ -19,7 +19,7 @@ import torch
 import checkpointing
 import dp_shard
 import kernels
-import prepare
+from plumbing import preparation
 import sharding
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
@@ -359,7 +359,7 @@ def check_values(tc):
     if tc.overwrite and tc.init_from != "scratch":
         raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} "
                          f"continues it: choose one")
-    prepare.check_preparation(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
+    preparation.check_preparation(tc.dataset, tc.data_dir, tc.num_proc, tc.val_fraction)
     if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
         raise ValueError(f"out_dir={tc.out_dir} is a file, not a folder")
     check_device(tc.device)

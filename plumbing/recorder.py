@@ -9,7 +9,8 @@ BOOST (arXiv 2512.12131) §2-6, as the run computes them; nothing here is writte
   - parallel.LEDGER's listener sees every collective, in order, with its group and size (under
     --dp_shard FSDP2's all-gathers and reduce-scatters too: dp_shard.py records them; with
     --optimizer=muon the optimizer step's, phase "optim": muon.py);
-  - checkpointing.SavedBytes's pack hook sees what autograd keeps for backward;
+  - SavedBytes's pack hook (below; the recompute tests measure with it too) sees what autograd
+    keeps for backward;
   - torch.utils.flop_counter's formulas count the FLOPs of those ops.
 Shapes are named in the notation of layouts.py (notation.py).
 """
@@ -17,7 +18,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-import checkpointing
 import dp_shard
 import kernels
 from parallel import LEDGER
@@ -226,7 +226,37 @@ def record(model, x, y, names, layout, pipe=None, ddp=None, optimizer=None):
     return recorder.events, dict(LEDGER.counts), saved, recorder.flops
 
 
-class SectionBytes(checkpointing.SavedBytes):
+class SavedBytes:
+    """Bytes an autograd graph saves for backward, parameters excluded, each storage counted once.
+
+        with SavedBytes(model) as meter:
+            loss = model(x, y)[1]
+        meter.bytes"""
+
+    def __init__(self, module):
+        self.params = {dp_shard.local(p).untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages = {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.storages.values())
+
+
+class SectionBytes(SavedBytes):
     """The meter of the tests, also noting the layer each saved tensor belongs to."""
 
     def __init__(self, module, recorder):

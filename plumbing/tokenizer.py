@@ -120,7 +120,7 @@ def _load(name):
 
 
 def continued(enc):
-    """The encoder of a piece that continues a document (prepare.py cuts long ones)."""
+    """The encoder of a piece that continues a document (preparation.py cuts long ones)."""
     return getattr(enc, "encode_continued", enc.encode_ordinary)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-import prepare
+from plumbing import preparation
 import train
 from model import Config
 from plumbing import data, placement
@@ -31,7 +31,7 @@ TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_si
 def data_dir(tmp_path_factory):
     """One prepared copy of the embedded corpus for the whole session."""
     d = tmp_path_factory.mktemp("data")
-    prepare.prepare(data.EMBEDDED, "bytes", d, log=lambda *a: None)
+    preparation.prepare(data.EMBEDDED, "bytes", d, log=lambda *a: None)
     return d
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import interchange
-import prepare
+from plumbing import preparation
 import train
 from model import Bottleneck, Config, Llama
 from plumbing import data, integrity, options, train_state
@@ -117,22 +117,22 @@ def test_prepare_reuses_and_reprepares(tmp_path):
     for i in range(20):
         (src / f"a{i:02d}.txt").write_text(f"alpha beta gamma {i} " * 200)
     messages = []
-    out = prepare.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    out = preparation.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["train_tokens"] + meta["val_tokens"] == sum(len(f"alpha beta gamma {i} " * 200) + 1 for i in range(20))
     assert meta["vocab_size"] == 257 and meta["documents"] == 20
     assert len(messages) == 1 and "20 documents" in messages[0]
-    prepare.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    preparation.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
     assert len(messages) == 1  # reused
     (src / "a00.txt").write_text("delta " * 300)
     os.utime(src / "a00.txt", ns=(1, 1))
-    prepare.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
+    preparation.prepare(str(src), "bytes", tmp_path / "d", log=messages.append)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["documents"] == 20 and "changed" in messages[1]
 
 
 def test_batches_deterministic_and_shared(data_dir):
-    folder = prepare.prepared_dir(data.EMBEDDED, "bytes", data_dir)
+    folder = preparation.prepared_dir(data.EMBEDDED, "bytes", data_dir)
     tokens = data.TokenFile(folder, "train", 16)
     x, y = tokens.batch(7, "train", 3, 8, 0, 8)
     assert x.shape == (8, 16) and torch.equal(x[:, 1:], y[:, :-1])
@@ -150,7 +150,7 @@ def test_short_run_lowers_loss_below_unigram_entropy(tmp_path, data_dir):
     # 1, 2: 3.25, 3.15, 3.00 before the keyed initialisation, 3.29, 3.12, 3.18 after); at 150 all
     # three are 3.02-3.06
     records = run_train(tmp_path, data_dir, "--max_iters=150", "--eval_interval=150", "--learning_rate=1e-2")
-    entropy = data.unigram_entropy(prepare.prepared_dir(data.EMBEDDED, "bytes", data_dir))
+    entropy = data.unigram_entropy(preparation.prepared_dir(data.EMBEDDED, "bytes", data_dir))
     assert records[-1]["val_loss"] < entropy < records[0]["val_loss"]
     assert all({"iter", "loss", "lr", "ms", "tokens_per_s"} <= r.keys() for r in records[:-1])
 

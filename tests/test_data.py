@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import prepare
+from plumbing import preparation
 from plumbing import corpus, data
 from conftest import ROOT, TINY, expect_error, losses, metrics
 
@@ -57,9 +57,9 @@ def tokens(folder):
 
 
 def run(dataset, data_dir, *args, **kwargs):
-    """prepare.prepare in this process, its log lines collected."""
+    """preparation.prepare in this process, its log lines collected."""
     lines = []
-    out = prepare.prepare(str(dataset), "bytes", data_dir, *args, log=lines.append, **kwargs)
+    out = preparation.prepare(str(dataset), "bytes", data_dir, *args, log=lines.append, **kwargs)
     return out, lines
 
 
@@ -70,8 +70,8 @@ def test_same_files_for_one_and_two_workers(tmp_path, tokenizer):
     if tokenizer == "gpt2" and "TIKTOKEN_CACHE_DIR" not in os.environ:
         pytest.skip("TIKTOKEN_CACHE_DIR is not set: no GPT-2 vocabulary without a download")
     src = write_jsonl(tmp_path / "c.jsonl", documents(1500))   # about 2.5 MB: several tasks
-    one = prepare.prepare(str(src), tokenizer, tmp_path / "one", num_proc=1, log=lambda *a: None)
-    two = prepare.prepare(str(src), tokenizer, tmp_path / "two", num_proc=2, log=lambda *a: None)
+    one = preparation.prepare(str(src), tokenizer, tmp_path / "one", num_proc=1, log=lambda *a: None)
+    two = preparation.prepare(str(src), tokenizer, tmp_path / "two", num_proc=2, log=lambda *a: None)
     assert tokens(one) == tokens(two)
     assert json.loads((one / "meta.json").read_text())["documents"] == 1500
 
@@ -157,7 +157,7 @@ def test_split_is_by_documents_and_respects_the_fraction(tmp_path):
 def peak_rss_mb(dataset, data_dir):
     """Preparation in a process of its own: (main, largest worker) peak RSS in MB. The main's is its
     VmHWM (getrusage's maxrss would carry over this test process's peak across the exec)."""
-    code = ("import resource, sys, prepare; prepare.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=2, "
+    code = ("import resource, sys; from plumbing import preparation; preparation.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=2, "
             "log=lambda *a: None); hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')]; "
             "print(int(hwm[0].split()[1]) / 1024, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)")
     res = subprocess.run([sys.executable, "-c", code, str(dataset), str(data_dir)], cwd=ROOT, capture_output=True,
@@ -187,9 +187,9 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
 def test_killed_preparation_is_redone_and_never_read(tmp_path):
     big = tmp_path / "big.jsonl"
     write_jsonl(big, documents(400) * 25)                # about 17 MB: a few seconds
-    code = "import sys, prepare; prepare.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=1)"
+    code = "import sys; from plumbing import preparation; preparation.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=1)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(big), str(tmp_path / "d")], cwd=ROOT)
-    out = prepare.prepared_dir(str(big), "bytes", tmp_path / "d")
+    out = preparation.prepared_dir(str(big), "bytes", tmp_path / "d")
     deadline = time.time() + 60
     while not list(out.glob("*.tmp")) and time.time() < deadline:
         time.sleep(0.05)
@@ -215,19 +215,19 @@ def test_short_file_is_prepared_again_with_a_line(tmp_path):
 
 def test_two_processes_preparing_at_once(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", documents(400) * 10)
-    code = "import sys, prepare; prepare.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=1)"
+    code = "import sys; from plumbing import preparation; preparation.prepare(sys.argv[1], 'bytes', sys.argv[2], num_proc=1)"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "d")], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert sum("data: prepared" in o for o in outs) == 1   # the other one waited, then reused the files
-    assert tokens(prepare.prepared_dir(str(src), "bytes", tmp_path / "d")) == tokens(run(src, tmp_path / "e", num_proc=1)[0])
+    assert tokens(preparation.prepared_dir(str(src), "bytes", tmp_path / "d")) == tokens(run(src, tmp_path / "e", num_proc=1)[0])
 
 
 # ---------------------------------------------------------------------------- progress, the command, torchrun
 
 def test_progress_lines_and_the_quiet_default(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(preparation, "PROGRESS_S", 0.0)
     src = write_jsonl(tmp_path / "c.jsonl", documents(1500))
     _, lines = run(src, tmp_path / "d", num_proc=1)
     assert len(lines) > 2 and all(" GB read, " in x and "MB/s, eta" in x for x in lines[:-1])
@@ -262,9 +262,9 @@ def test_torchrun_ranks_wait_for_rank_0_past_the_timeout(tmp_path):
     """Rank 0 is kept waiting 8 s on the preparation lock (as behind a long preparation); with a 3 s
     process-group timeout the other rank must wait outside any collective."""
     src = write_txt(tmp_path / "c", documents(60))
-    out = prepare.prepared_dir(str(src), "bytes", tmp_path / "d")
+    out = preparation.prepared_dir(str(src), "bytes", tmp_path / "d")
     out.mkdir(parents=True)
-    with open(out / "prepare.lock", "a") as lock:
+    with open(out / "preparation.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "train.py"), f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}",
@@ -284,10 +284,10 @@ def test_changed_token_file_is_prepared_again_and_foreign_ids_refused(capsys, tm
     it) fails its checksum on reuse and is prepared again; ids past the model's vocabulary are a
     one-line error before training."""
     lines = []
-    out = prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lines.append)
+    out = preparation.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lines.append)
     original = (out / "train.bin").read_bytes()
     (out / "train.bin").write_bytes(original[::-1])   # the same bytes in another order
-    assert prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lines.append) == out
+    assert preparation.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lines.append) == out
     assert any("train.bin fails its checksum (changed since it was prepared): preparing again" in x for x in lines)
     assert (out / "train.bin").read_bytes() == original
     meta = json.loads((out / "meta.json").read_text())
@@ -311,7 +311,7 @@ def test_one_long_line_or_document_is_cut_and_split(tmp_path):
     main, worker = peak_rss_mb(tmp_path / "line.txt", tmp_path / "d")
     assert main - base_main < 30 and worker - base_worker < 30, (main, worker, base_main, base_worker)
     for name in ("line.txt", "doc.jsonl"):
-        out = prepare.prepare(str(tmp_path / name), "bytes", tmp_path / "d", num_proc=1, val_fraction=0.3,
+        out = preparation.prepare(str(tmp_path / name), "bytes", tmp_path / "d", num_proc=1, val_fraction=0.3,
                               log=lambda *a: None)
         meta = json.loads((out / "meta.json").read_text())
         share = meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"])
@@ -322,7 +322,7 @@ def test_one_long_line_or_document_is_cut_and_split(tmp_path):
 
 def test_num_proc_above_the_cpus_is_capped_with_one_line(tmp_path):
     lines = []
-    prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1000, log=lines.append)
+    preparation.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1000, log=lines.append)
     cpus = len(os.sched_getaffinity(0))
     assert f"data: num_proc=1000 is more than the {cpus} CPUs this process may use: using {cpus}" in lines
     assert f"{cpus} process" in lines[-1]

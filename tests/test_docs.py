@@ -83,8 +83,9 @@ COMMANDS = ("train.py", "prepare.py", "interchange.py")
 
 def test_the_root_holds_the_story_and_the_commands_and_the_story_no_plumbing():
     """At the root only the story and the commands (at most 15 files); what a run needs around them
-    is the plumbing package, which no story file imports (nor a command); model.py, the reference,
-    imports only torch, the standard library and lax.py."""
+    is the plumbing package, which no story file imports (nor a command), and which imports no
+    command; model.py, the reference, imports only torch, the standard library and lax.py; of the
+    story, only sharding.py and muon.py import dp_shard.py."""
     root = sorted(p.name for p in ROOT.glob("*.py"))
     assert root == sorted([*STORY, *COMMANDS]) and len(root) <= 15, root
     assert (ROOT / "plumbing" / "__init__.py").exists()
@@ -93,6 +94,10 @@ def test_the_root_holds_the_story_and_the_commands_and_the_story_no_plumbing():
     import sys
     outside = imports(ROOT / "model.py") - set(sys.stdlib_module_names) - {"torch", "lax"}
     assert not outside, outside
+    for name in STORY:   # FSDP stands beside the story: only these two meet its DTensors
+        assert "dp_shard" not in imports(ROOT / name) or name in ("sharding.py", "muon.py"), name
+    for path in sorted((ROOT / "plumbing").glob("*.py")):   # the arrows run from commands down
+        assert not imports(path) & {c[:-3] for c in COMMANDS}, f"plumbing/{path.name} imports a command"
 
 
 def test_no_import_cycles():

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from checkpointing import SavedBytes
+from plumbing.recorder import SavedBytes
 import muon
 from layouts import per_layer_traffic
 from model import Llama

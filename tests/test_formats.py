@@ -9,7 +9,7 @@ import os
 import pytest
 
 import interchange
-import prepare
+from plumbing import preparation
 from plumbing import tokenizer, train_state
 from conftest import TINY, command, command_out, expect_error, metrics, torchrun
 
@@ -80,8 +80,8 @@ def test_parquet_and_zst_prepare_alike_for_any_num_proc_and_decode_back(tmp_path
     src, docs = corpus(tmp_path / "c")
     tok = str(tokenizers_dir / name)
     logs = []
-    one = prepare.prepare(str(src), tok, tmp_path / "one", num_proc=1, log=logs.append)
-    two = prepare.prepare(str(src), tok, tmp_path / "two", num_proc=2, log=lambda *a: None)
+    one = preparation.prepare(str(src), tok, tmp_path / "one", num_proc=1, log=logs.append)
+    two = preparation.prepare(str(src), tok, tmp_path / "two", num_proc=2, log=lambda *a: None)
     assert token_files(one) == token_files(two)
     meta = json.loads((one / "meta.json").read_text())
     assert meta["tokenizer"] == tokenizer.identity(tok) and one.name.endswith(meta["tokenizer"])
@@ -102,7 +102,7 @@ def test_damaged_or_columnless_files_are_skipped_and_named(tmp_path, capsys):
     (src / "c.txt.zst").write_bytes(b"\x28\xb5\x2f\xfd not a frame")
     pq.write_table(pa.table({"body": ["x"]}), src / "d.parquet")
     logs = []
-    out = prepare.prepare(str(src), "bytes", tmp_path / "d", num_proc=1, log=logs.append)
+    out = preparation.prepare(str(src), "bytes", tmp_path / "d", num_proc=1, log=logs.append)
     assert "2 file(s) skipped (first: " + str(src / "c.txt.zst") + " (ZstdError" in "\n".join(logs)
     skipped = json.loads((out / "meta.json").read_text())["skipped_files"]
     assert len(skipped) == 2 and "d.parquet (no column 'text'; its columns: body)" in skipped[1]
@@ -122,7 +122,7 @@ def test_a_truncated_compressed_file_keeps_what_was_read_and_is_named(tmp_path, 
     (src / f"a{suffix}").write_bytes(packed[:len(packed) // 2])
     (src / "b.txt").write_text("a good file beside it\n" * 50)
     logs = []
-    out = prepare.prepare(str(src), "bytes", tmp_path / "d", num_proc=1, log=logs.append)
+    out = preparation.prepare(str(src), "bytes", tmp_path / "d", num_proc=1, log=logs.append)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["skipped_files"] == [] and len(meta["damaged_files"]) == 1, meta
     assert 3000 < meta["documents"] - 1 < 7200, meta["documents"]   # (the good file is one document)
@@ -135,7 +135,7 @@ def test_a_missing_package_is_one_line(tmp_path, monkeypatch, tokenizers_dir):
     src, _ = corpus(tmp_path / "c")
     monkeypatch.setitem(sys.modules, "pyarrow", None)   # import pyarrow now raises ImportError
     with pytest.raises(ValueError, match=r"^reading the corpus's .parquet files needs the pyarrow package: pip install pyarrow$"):
-        prepare.check_preparation(str(src), tmp_path / "d", 1, 0.1)
+        preparation.check_preparation(str(src), tmp_path / "d", 1, 0.1)
     monkeypatch.setitem(sys.modules, "sentencepiece", None)
     monkeypatch.setattr(tokenizer, "_LOADED", {})   # (as in a new process: nothing loaded yet)
     with pytest.raises(ValueError, match=r"needs the sentencepiece package: pip install sentencepiece$"):

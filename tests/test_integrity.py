@@ -16,7 +16,7 @@ import torch
 
 import interchange
 import prepare
-from plumbing import formats, integrity, train_state
+from plumbing import formats, integrity, preparation, train_state
 from conftest import ROOT, TINY, command, expect_error, metrics, run_train
 
 
@@ -66,6 +66,7 @@ def checkpoint(tmp_path, data_dir):
     return Path(train_state.checkpoint_dirs(tmp_path / "run")[-1])
 
 
+@pytest.mark.slow
 def test_crafted_metadata_runs_nothing_on_resume_or_export(capsys, tmp_path, data_dir, checkpoint):
     marker = tmp_path / "it_ran"
     (checkpoint / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
@@ -262,14 +263,13 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(capsys, monkeypatch, 
     one line each, no temporary file left to fill the disk, the earlier checkpoint untouched."""
     import builtins
     from plumbing import data
-    import prepare
     real_open, real_path_open = builtins.open, Path.open
 
     def full(path, mode="r", *args, **kw):
         return real_open("/dev/full" if ".bin." in str(path) and "w" in mode else path, mode, *args, **kw)
-    monkeypatch.setattr(prepare, "open", full, raising=False)
+    monkeypatch.setattr(preparation, "open", full, raising=False)
     with pytest.raises(ValueError, match="cannot write the token files in .* MB free there\\); nothing was kept"):
-        prepare.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lambda *a: None)
+        preparation.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lambda *a: None)
     assert not list((tmp_path / "d").rglob("*.tmp")) and not list((tmp_path / "d").rglob("meta.json"))
     monkeypatch.undo()
     out = tmp_path / "run"

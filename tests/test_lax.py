@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpointing
 import layouts
 import parallel
-from checkpointing import SavedBytes
+from plumbing.recorder import SavedBytes
 from lax import factor_pair
 from model import Bottleneck, Llama
 from plumbing import placement, train_state
@@ -163,6 +163,11 @@ def _equivalence_worker(rank, world, meshes, every_mode=True):
 
 
 def test_lax_tp2_equals_single_device():
+    spawn(2, _equivalence_worker, [(1, 2)], False)   # (each case with one recompute mode in turn)
+
+
+@pytest.mark.slow
+def test_lax_tp2_every_case_with_every_recompute_mode():
     spawn(2, _equivalence_worker, [(1, 2)])
 
 
@@ -197,6 +202,7 @@ def _ledger_worker(rank, world, out):
         out[f"{arch}/{layout}"] = per_layer
 
 
+@pytest.mark.slow
 def test_lax_collectives_equal_the_formulas():
     spawn(2, _ledger_worker, {})
 

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import kernels
 import layouts
 import parallel
+import sharding
 from model import Llama
 from plumbing import placement
 from ablations import ablated
@@ -43,7 +44,7 @@ def _equivalence_worker(rank, world, meshes):
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], tgt[share])
             tp_loss.backward()
-            tp_model.reduce_tied_grad()
+            sharding.reduce_tied_grad(tp_model)
             check_tp_step(ref, logits, loss, tp_model, tp_logits, tp_loss, tp_handle, mesh.get_group("dp"), share, where)
             full = tp_model.full_tensors()
             for name, p in ref.named_parameters():
@@ -83,10 +84,11 @@ def _compile_worker(rank, world):
     from torch._dynamo.utils import counters
     tp = parallel.TPGroup(dist.group.WORLD, rank, world, overlap=True)
     parallel.LEDGER.name(dist.group.WORLD, "tp")
-    # inductor (what --compile=true uses) for BTP; the baselines through dynamo and AOT autograd only,
-    # which is where TP breaks graphs (inductor's C++ builds would add a minute to the suite)
-    # and BTP with the Triton kernels (interpreted), custom ops inside the graph, their backward too
-    for arch, layout, backend, impl in (("cola", "btp", "inductor", "torch"),
+    # every layout through dynamo and AOT autograd, which is where TP breaks graphs, and BTP with the
+    # Triton kernels (interpreted): custom ops inside the graph, their backward too. Not inductor: on
+    # a CPU it builds C++ (a minute of a cold machine), not the Triton a GPU compiles; gpu_check's
+    # compiled runs hold inductor on a GPU to eager (tools/gpu_check_train.py)
+    for arch, layout, backend, impl in (("cola", "btp", "aot_eager", "torch"),
                                         ("svd", "vanilla", "aot_eager", "torch"),
                                         ("full", "megatron", "aot_eager", "torch"),
                                         ("cola", "btp", "aot_eager", "triton")):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import prepare
+from plumbing import preparation
 from conftest import ROOT, command, run_train
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -114,11 +114,11 @@ def test_bench_data_forms_prepare_to_the_same_tokens(tmp_path):
     assert set(forms) == set(bench_data.FORMS)
     crcs = {}
     for form in ("jsonl", "jsonl.gz", "jsonl.zst", "parquet"):
-        out = prepare.prepare(str(forms[form]), "bytes", tmp_path / f"d-{form}", num_proc=1, log=lambda *a: None)
+        out = preparation.prepare(str(forms[form]), "bytes", tmp_path / f"d-{form}", num_proc=1, log=lambda *a: None)
         meta = json.loads((out / "meta.json").read_text())
         crcs[form] = (meta["documents"], meta["train_crc32"], meta["val_crc32"])
     assert len(set(crcs.values())) == 1, crcs
-    mixed = json.loads((prepare.prepare(str(forms["mixed"]), "bytes", tmp_path / "d-mixed", num_proc=1,
+    mixed = json.loads((preparation.prepare(str(forms["mixed"]), "bytes", tmp_path / "d-mixed", num_proc=1,
                                         log=lambda *a: None) / "meta.json").read_text())
     assert mixed["documents"] == 3 * crcs["jsonl"][0]   # the .txt folder, the .jsonl and the .jsonl.gz
 

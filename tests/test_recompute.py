@@ -12,6 +12,7 @@ import layouts
 import parallel
 from model import Config, Llama
 from conftest import group_of_one, small_cfg, spawn
+from plumbing.recorder import SavedBytes
 
 
 def lowrank_saved_per_token(layout, cfg, t, e=4):
@@ -26,7 +27,7 @@ def run_recompute(make_model, recompute, idx, n_layer):
     """(loss, {name: grad}, saved bytes, ledger counts of the backward) for one forward/backward."""
     model = make_model(n_layer)
     model.recompute = recompute
-    with checkpointing.SavedBytes(model) as meter:
+    with SavedBytes(model) as meter:
         loss = model(idx, idx)[1]
     parallel.LEDGER.reset()
     loss.backward()

@@ -119,7 +119,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import layouts
     import parallel
     from plumbing import placement
-    from checkpointing import SavedBytes
+    from plumbing.recorder import SavedBytes
     from model import Config, Llama
     torch.set_num_threads(1 if world > 1 else 2)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))

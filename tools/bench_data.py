@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = """
-import json, resource, sys, time, prepare
+import json, resource, sys, time
+from plumbing import preparation
 t0 = time.time()
-out = prepare.prepare(sys.argv[1], sys.argv[2], sys.argv[3], num_proc=int(sys.argv[4]),
-                      log=lambda *a: None)
+out = preparation.prepare(sys.argv[1], sys.argv[2], sys.argv[3], num_proc=int(sys.argv[4]),
+                          log=lambda *a: None)
 seconds = time.time() - t0
 meta = json.loads((out / "meta.json").read_text())
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]

@@ -108,10 +108,10 @@ def sample_ms(args):
 
 def step(args):
     from plumbing import data
-    import prepare
+    from plumbing import preparation
     data_dir = Path(args.out) / "data"
     shutil.rmtree(data_dir, ignore_errors=True)
-    prepare.prepare(data.EMBEDDED, "bytes", data_dir, log=lambda *a: None)
+    preparation.prepare(data.EMBEDDED, "bytes", data_dir, log=lambda *a: None)
     runs, pairs = plan(args.cpu)
     started = {name: launch(name, extra, args, data_dir) for name, extra in runs.items()}
     losses, resumed = {}, False
