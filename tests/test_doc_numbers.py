@@ -38,6 +38,7 @@ def counts(path, arch, vocab=32000):
     return model.num_params(), model.flops_per_token(cfg.block_size)
 
 
+@pytest.mark.slow
 def test_models_md_counts_are_model_pys():
     for model, file, arch, params, gflops, _ in rows("docs/models.md", "| model | file |"):
         file = file.strip("`")

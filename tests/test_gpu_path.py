@@ -336,5 +336,6 @@ def test_every_layout_compiles_to_one_graph_with_the_kernels_at_tp1():
                                   for impl in ("torch", "triton")}
 
 
+@pytest.mark.slow
 def test_every_layout_compiles_to_one_graph_with_the_kernels_at_tp2():
     spawn(2, _graphs)

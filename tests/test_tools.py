@@ -153,6 +153,7 @@ def test_gpu_check_slots_fit_its_budget_and_say_what_builds_launchers(monkeypatc
     assert gpu_check.launcher_build().startswith("launcher build: MISSING a C compiler")
 
 
+@pytest.mark.slow
 def test_bench_gpu_puts_colas_steps_first_and_skips_what_would_pass_the_deadline(monkeypatch):
     """gpu_check's bench: the step rows before the kernel rows, CoLA's eager and compiled first, the
     other archs eager; a row whose estimate (ROW_S) does not fit what is left is a line, not a row
@@ -204,6 +205,7 @@ def test_quality_bench_places_the_crossing_and_its_interval():
     assert rows["cola"]["dense_eq_tflops"] == (600.0, 0.0)
 
 
+@pytest.mark.slow
 def test_quality_bench_end_to_end_at_a_toy_size(tmp_path):
     """Two tiny runs, one seed, two evaluations each (steps 0 and 2): the first run's target is its
     own val loss at its last step, which it reaches at step 2 exactly; the table and the figure."""
@@ -241,6 +243,7 @@ def test_quality_bench_tiers_and_bad_input(capsys):
         assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, bad
 
 
+@pytest.mark.slow
 def test_quality_sweep_at_a_toy_size(monkeypatch, capsys, tmp_path):
     """The recipe sweep: the recipes a --sweep=TEXT names, the best dense one's val loss at the
     target step the target, which it reaches there; a name no recipe holds is refused."""
@@ -262,6 +265,7 @@ def test_quality_sweep_at_a_toy_size(monkeypatch, capsys, tmp_path):
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --sweep=nothing")
 
 
+@pytest.mark.slow
 def test_threads_bench_run_says_what_train_py_chose(tmp_path):
     """bench_threads.run: a fresh train.py with OMP_NUM_THREADS unset; --threads=0 what train.py
     chose from the idle cores (1..cores, parsed from its start line); ms per iteration read back."""

@@ -146,6 +146,7 @@ def test_a_resume_from_elsewhere_trains_on_the_recorded_corpus(tmp_path, monkeyp
     assert "as named by --dataset" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, data_dir):
     """interchange.py's exports (hf, pt) and import under a 64 KB file-size limit (the real writers
     fail as on a full disk, with EFBIG): one line naming the target and the cause, no half-written
