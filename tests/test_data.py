@@ -264,7 +264,7 @@ def test_torchrun_ranks_wait_for_rank_0_past_the_timeout(tmp_path):
     src = write_txt(tmp_path / "c", documents(60))
     out = preparation.prepared_dir(str(src), "bytes", tmp_path / "d")
     out.mkdir(parents=True)
-    with open(out / "preparation.lock", "a") as lock:
+    with open(out / "prepare.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "train.py"), f"--out_dir={tmp_path / 'o'}", f"--data_dir={tmp_path / 'd'}",
