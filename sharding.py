@@ -200,7 +200,7 @@ def reduce_tied_grad(model, pp_group=None):
             held.grad = summed
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return
-    held, cfg = getattr(model, "tok_emb", None), model.cfg
+    cfg = model.cfg
     # (under --dp_shard the same dp shard's rows on both)
     rows = dp_shard.rows_held(model, cfg.vocab_size)
     device = model.rope_cos.device
