@@ -15,8 +15,8 @@ Each decoder layer is one FSDP unit and the root (embedding, final norm, head; o
 what the stage holds) another; the units hold each layout's TP-local parameters (layouts.TPLlama:
 under BTP the (r, d/t) and (d/t, r) slices), so FSDP shards over dp what TP already cut. FSDP2
 issues its collectives itself, through the Counted ones below, so the ledger (and --explain) sees
-each all-gather and reduce-scatter it sends. Under recompute=lowrank a layer runs its segments
-through `layer.call`, registered with FSDP as a forward, so its parameters are gathered around them.
+each all-gather and reduce-scatter it sends. Under recompute=lowrank a layer's segments run inside
+its forward (recompute.py), so FSDP2 gathers its parameters around them as around any forward.
 """
 import torch
 import torch.distributed as dist
@@ -32,13 +32,11 @@ def apply(model, dp_mesh, mode, dtype, ledger=None):
     compute dtype) mixed precision through FSDP's MixedPrecisionPolicy: fp32 shards, gathered in
     bf16 for compute, gradients reduced in fp32 (gloo does this on a CPU too); every collective
     FSDP sends recorded in `ledger` (parallel.LEDGER)."""
-    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
-                                        register_fsdp_forward_method)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == "bfloat16" else MixedPrecisionPolicy()
     for layer in model.layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=mode == "full", mp_policy=policy)
-        register_fsdp_forward_method(layer, "call")   # checkpointing's low-rank segments
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=mode == "full", mp_policy=policy)
     if ledger is not None:
         for unit in [*model.layers, model]:

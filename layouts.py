@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 import kernels
 import lax
-from checkpointing import run_layers
+from recompute import run_layers
 from model import Llama, causal_attention, gated_product, latent_act, rope_table
 from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
@@ -97,17 +97,19 @@ class BTPBlock(Sharded):
         self.shard("B_down", [prefix + "mlp.down.B.weight"], 0)                 # (d/t, r)
         self.shard_crossings(cfg, prefix)
 
-    def forward(self, x, cos, sin, prev=None):
+    def forward(self, x, cos, sin, prev=None, segment=None):
         """One layer: five chunks, and between them the layer's only four collectives, each an
-        all-reduce of an r-wide latent (checkpointing.run_layers runs the same chunks with
-        recompute). prev, and what it returns beside x under LaX: the latents of q|k|v, o, gate|up,
-        down."""
+        all-reduce of an r-wide latent. segment(chunk, *args) runs each chunk: under
+        --recompute=lowrank a checkpointed segment (recompute.py), so the all-reduces stay outside
+        what backward replays. prev, and what it returns beside x under LaX: the latents of q|k|v,
+        o, gate|up, down."""
+        run = segment or (lambda chunk, *args: chunk(*args))
         p = prev or (None,) * 4
-        HS = self.reduce(self.qkv_down(x))  # (b, s, 3r+1) q, k, v latents + Σx²
-        partial, h_qkv = self.attn_chunk(HS, cos, sin, p[0])
-        x, HS, h_o = self.o_chunk(self.reduce(partial), x, p[1])    # (b, s, d/t), (b, s, 2r+1)
-        partial, h_gu = self.mlp_chunk(self.reduce(HS), p[2])
-        x, h_down = self.down_chunk(self.reduce(partial), x, p[3])  # (b, s, d/t)
+        partial = run(self.qkv_down, x)                             # (b, s, 3r+1) partial
+        partial, h_qkv = run(self.attn_chunk, self.reduce(partial), cos, sin, p[0])  # (b, s, r)
+        x, partial, h_o = run(self.o_chunk, self.reduce(partial), x, p[1])  # (b, s, d/t), 2r+1
+        partial, h_gu = run(self.mlp_chunk, self.reduce(partial), p[2])      # (b, s, r) partial
+        x, h_down = run(self.down_chunk, self.reduce(partial), x, p[3])      # (b, s, d/t)
         return x, ((h_qkv, h_o, h_gu, h_down) if self.lax else None)
 
     # The chunks. Each starts from a replicated latent after its all-reduce and ends with the local
@@ -135,7 +137,7 @@ class BTPBlock(Sharded):
         h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, z, p) if self.crosses else z)
         return h, (h if self.lax else None)
 
-    def up(self, z, Bs):
+    def expand(self, z, Bs):
         """The column-parallel up-projections of the replicated latent z's groups, one grouped GEMM
         (Copy first: backward all-reduces dz; overlapped with the dB GEMMs under --overlap)."""
         return column_parallel(z, Bs, self.tp, sliced=True)
@@ -148,27 +150,27 @@ class BTPBlock(Sharded):
     def attn_chunk(self, HS, cos, sin, p=None):
         cfg, t = self.cfg, self.tp.size
         h, out = self.emit(self.latent(HS), p, "qkv")                           # (b, s, 3r)
-        q, k, v = self.up(h, [self.B_q, self.B_k, self.B_v])
+        q, k, v = self.expand(h, [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         return y @ self.A_o.t(), out                                             # (b, s, r) partial
 
     @traced
     def o_chunk(self, u, x, p=None):
         h, out = self.emit(u, p, "o")                                            # (b, s, r)
-        x = x + self.up(h, [self.B_o])[0]                                        # (b, s, d/t)
+        x = x + self.expand(h, [self.B_o])[0]                                    # (b, s, d/t)
         return x, self.norm_down(x, self.mlp_norm, self.A_gu), out  # (b, s, 2r+1) partial
 
     @traced
     def mlp_chunk(self, HS, p=None):
         h, out = self.emit(self.latent(HS), p, "gu")                            # (b, s, 2r)
-        gate, up = self.up(h, [self.B_gate, self.B_up])
+        gate, up = self.expand(h, [self.B_gate, self.B_up])
         a = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
         return a @ self.A_down.t(), out                                          # (b, s, r) partial
 
     @traced
     def down_chunk(self, u, x, p=None):
         h, out = self.emit(u, p, "down")                                         # (b, s, r)
-        return x + self.up(h, [self.B_down])[0], out                             # (b, s, d/t)
+        return x + self.expand(h, [self.B_down])[0], out                         # (b, s, d/t)
 
 
 class VanillaBlock(Sharded):
@@ -189,7 +191,7 @@ class VanillaBlock(Sharded):
     # each of the seven B's ends in an all-reduce of its whole output (d, kv or f) in its chunk.
     forward = BTPBlock.forward
 
-    # The chunks, with BTP's boundaries (checkpointing.run_layers recomputes them one by one).
+    # The chunks, with BTP's boundaries (recompute.run_layers recomputes them one by one).
     def reduce(self, partial):
         return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
 
@@ -213,49 +215,49 @@ class VanillaBlock(Sharded):
         mine = Copy.apply(h, self.tp.group).unflatten(-1, (G, t, -1))[..., i, :].flatten(-2)
         return mine, h  # (b, s, G·r/t), (b, s, G·r)
 
-    def down(self, h, *keys):
+    def compress(self, h, *keys):
         """Each column-parallel A after its own Copy (one backward all-reduce per A, as in the
         paper's vanilla TP): this rank's r/t latent slices, concatenated."""
         return torch.cat([column_parallel(h, [getattr(self, k + "_A")], self.tp)[0]
                           for k in keys], -1)
 
-    def up(self, h, key):
+    def expand(self, h, key):
         """The row-parallel B of a latent slice h, all-reduce of the full d_out."""
         return Reduce.apply(h @ getattr(self, key + "_B").t(), self.tp.group)  # (b, s, d_out)
 
     @traced
     def qkv_down(self, x):
         h = kernels.rms_norm(x, self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
-        return self.down(h, "attn_q", "attn_k", "attn_v")                         # (b, s, 3r/t)
+        return self.compress(h, "attn_q", "attn_k", "attn_v")                     # (b, s, 3r/t)
 
     @traced
     def attn_chunk(self, z, cos, sin, p=None):
         cfg = self.cfg
         h, out = self.emit(z, p, "qkv")                                           # (b, s, 3r/t)
         hq, hk, hv = h.split(cfg.attn_rank // self.tp.size, -1)
-        y = causal_attention(self.up(hq, "attn_q"), self.up(hk, "attn_k"), self.up(hv, "attn_v"),
-                             cfg.n_head, cfg.n_kv_head, cos, sin)  # all heads, (b, s, d)
-        return self.down(y, "attn_o"), out                                        # (b, s, r/t)
+        q, k, v = (self.expand(hz, "attn_" + n) for hz, n in zip((hq, hk, hv), "qkv"))  # whole
+        y = causal_attention(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin)  # all heads, (b, s, d)
+        return self.compress(y, "attn_o"), out                                    # (b, s, r/t)
 
     @traced
     def o_chunk(self, u, x, p=None):
         h, out = self.emit(u, p, "o")
-        x = x + self.up(h, "attn_o")                                              # (b, s, d)
+        x = x + self.expand(h, "attn_o")                                          # (b, s, d)
         n = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
-        return x, self.down(n, "mlp_gate", "mlp_up"), out                         # (b, s, 2r/t)
+        return x, self.compress(n, "mlp_gate", "mlp_up"), out                     # (b, s, 2r/t)
 
     @traced
     def mlp_chunk(self, z, p=None):
         h, out = self.emit(z, p, "gu")                                            # (b, s, 2r/t)
         hg, hu = h.split(self.cfg.mlp_rank // self.tp.size, -1)
-        a = gated_product(self.cfg.mlp_gate, self.up(hg, "mlp_gate"),
-                          self.up(hu, "mlp_up"))  # (b, s, f)
-        return self.down(a, "mlp_down"), out                                      # (b, s, r/t)
+        a = gated_product(self.cfg.mlp_gate, self.expand(hg, "mlp_gate"),
+                          self.expand(hu, "mlp_up"))  # (b, s, f)
+        return self.compress(a, "mlp_down"), out                                  # (b, s, r/t)
 
     @traced
     def down_chunk(self, u, x, p=None):
         h, out = self.emit(u, p, "down")
-        return x + self.up(h, "mlp_down"), out                                    # (b, s, d)
+        return x + self.expand(h, "mlp_down"), out                                # (b, s, d)
 
 
 class MegatronBlock(Sharded):
@@ -298,7 +300,7 @@ class TPLlama(Sharded):
     held here ((b, s, d/t) under btp), and the last stage returns the logits for the schedule's loss
     (pipeline.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
     whole and uses its slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
-    `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
+    `recompute` (none | layer | lowrank) is its activation checkpointing (recompute.py);
     `block` replaces the layout's layer class (tools/ablations.py)."""
 
     def __init__(self, model, tp, layout, stage=0, stages=1, recompute="none", block=None):

@@ -84,12 +84,6 @@ class Sharded(nn.Module):
             self.shard(name, names, None)
         self.crosses, self.lax = bool(pieces), cfg.lax
 
-    def call(self, fn, *args):
-        """fn(self, *args) as a call of this layer: a wrapper that hooks the layer's forward (FSDP2,
-        dp_shard.py) is told of it too, for checkpointing's low-rank segments, which run the layer
-        in pieces and not through forward."""
-        return fn(self, *args)
-
     def pieces(self):
         """(local parameter, full name, its rows in the local tensor, shard dim or None) for every
         full-model parameter each local one is cut from."""

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-import checkpointing
+from recompute import RECOMPUTE
 import dp_shard
 import kernels
 from plumbing import preparation
@@ -84,7 +84,7 @@ class TrainConfig:
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
     # 1f1b | gpipe | interleaved_1f1b | zero_bubble (torch.distributed.pipelining; one stage a rank)
     pp_schedule: str = "1f1b"
-    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (checkpointing.py)
+    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (recompute.py)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
     overlap: bool = True
@@ -104,7 +104,7 @@ class TrainConfig:
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
            "layout": ("auto",) + sharding.LAYOUTS,
-           "recompute": checkpointing.RECOMPUTE,
+           "recompute": RECOMPUTE,
            "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"),
            "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),

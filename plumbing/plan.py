@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-import checkpointing
+from recompute import check_recompute
 import sharding
 from model import Config
 from plumbing import options, rundir, train_state
@@ -75,7 +75,7 @@ def make(cfg, tc, world):
                          f"{rounds} (gradient_accumulation_steps {rounds * tc.pp * dp})")
     if tc.dp_shard != "none":
         check_dp_shard(tc, dp)
-    checkpointing.check_recompute(cfg, tc.recompute)
+    check_recompute(cfg, tc.recompute)
     device = resolve_device(tc.device)
     return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
 

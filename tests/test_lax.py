@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpointing
+from recompute import RECOMPUTE
 import layouts
 import parallel
 from plumbing.recorder import SavedBytes
@@ -112,7 +112,7 @@ def test_lax_recompute_one_device(gate):
     cfg_of = lambda n: small_cfg("cola", n_layer=n, lax=True, lax_gate=gate)
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     runs, saved = {}, {}
-    for mode in checkpointing.RECOMPUTE:
+    for mode in RECOMPUTE:
         for n in (2, 4):
             torch.manual_seed(0)
             m = group_of_one(Llama(cfg_of(n)), mode)
@@ -132,7 +132,7 @@ def test_lax_recompute_one_device(gate):
         for k, g in runs[mode][1].items():
             torch.testing.assert_close(g, runs["reference"][1][k], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{mode} {k}: {m}")
-    per_layer = {mode: (saved[(mode, 4)] - saved[(mode, 2)]) / 2 / idx.numel() for mode in checkpointing.RECOMPUTE}
+    per_layer = {mode: (saved[(mode, 4)] - saved[(mode, 2)]) / 2 / idx.numel() for mode in RECOMPUTE}
     lat = 4 * 16 + 3 * 24
     assert per_layer["lowrank"] == (4 * 16 + 3 * 24 + 2 + 2 * 64 + lat) * 4, per_layer   # btp, t=1
     assert per_layer["layer"] == (64 + lat) * 4, per_layer
@@ -143,7 +143,7 @@ def _equivalence_worker(rank, world, meshes, every_mode=True):
         mesh = placement.init_mesh(dp, tp, "cpu", 120)
         handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp, overlap=True)
         dp_rank = mesh.get_local_rank("dp")
-        modes = checkpointing.RECOMPUTE   # (every mode with every case, or each case with one mode in turn)
+        modes = RECOMPUTE   # (every mode with every case, or each case with one mode in turn)
         pairs = [(c, m) for c in CASES for m in modes] if every_mode else \
             [(c, modes[i % len(modes)]) for i, c in enumerate(CASES)]
         for (arch, layout, gate), recompute in pairs:

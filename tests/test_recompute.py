@@ -1,5 +1,5 @@
 """test_recompute.py: activation checkpointing (section 5): equal gradients for every mode, saved bytes
-equal to checkpointing.py's formulas, no collective replayed by low-rank recompute under BTP, the
+equal to recompute.py's formulas, no collective replayed by low-rank recompute under BTP, the
 recompute FLOPs.
 """
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpointing
+from recompute import RECOMPUTE
 import layouts
 import parallel
 from model import Config, Llama
@@ -16,7 +16,7 @@ from plumbing.recorder import SavedBytes
 
 
 def lowrank_saved_per_token(layout, cfg, t, e=4):
-    """checkpointing.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
+    """recompute.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
     ra, rm, d = cfg.attn_rank, cfg.mlp_rank, cfg.n_embd
     lat = (4 * ra + 3 * rm) * e if cfg.lax else 0   # LaX: the previous layer's latents, whole
     return lat + {"btp": (4 * ra + 3 * rm + 2 + 2 * d // t) * e,
@@ -42,7 +42,7 @@ def check_recompute(make_model, layout, cfg, t, idx):
         for name, g in grads.items():
             torch.testing.assert_close(g, ref[1][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {name}: {m}")
     tokens = idx.numel()
-    saved = {mode: [run_recompute(make_model, mode, idx, n)[2] for n in (2, 4)] for mode in checkpointing.RECOMPUTE}
+    saved = {mode: [run_recompute(make_model, mode, idx, n)[2] for n in (2, 4)] for mode in RECOMPUTE}
     per_layer = {mode: (v[1] - v[0]) / 2 / tokens for mode, v in saved.items()}
     assert per_layer["lowrank"] == lowrank_saved_per_token(layout, cfg, t), (layout, per_layer)
     lat = (4 * cfg.attn_rank + 3 * cfg.mlp_rank) if cfg.lax else 0
@@ -64,7 +64,7 @@ def test_recompute_one_device(arch, size):
     torch.manual_seed(0)
     ref = Llama(cfg_of(2))   # and the reference's loss and gradients, whatever the mode
     ref(idx, idx)[1].backward()
-    for mode in checkpointing.RECOMPUTE:
+    for mode in RECOMPUTE:
         model = make_model(2)
         model.recompute = mode
         model(idx, idx)[1].backward()
@@ -78,7 +78,7 @@ def test_recompute_flops_lowrank_below_layer():
     from torch.utils.flop_counter import FlopCounterMode
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     flops = {}
-    for mode in checkpointing.RECOMPUTE:
+    for mode in RECOMPUTE:
         torch.manual_seed(0)
         model = group_of_one(Llama(small_cfg("cola", 4)), mode)
         with FlopCounterMode(display=False) as counter:

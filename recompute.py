@@ -1,4 +1,5 @@
-"""checkpointing.py: low-rank activation checkpointing, BOOST (arXiv 2512.12131) section 5.
+"""recompute.py: activation recompute, BOOST (arXiv 2512.12131) section 5 (low-rank activation
+checkpointing).
 
 `--recompute=` chooses what autograd keeps between forward and backward:
 
@@ -12,6 +13,9 @@
            backward issues none; the last GEMM of a segment (that A) is not recomputed at all
            (non-reentrant checkpoint stops once the tensors backward needs are rebuilt).
 
+The chunk sequence is written once, in layouts.BTPBlock.forward (vanilla runs the same one); this
+module hands it `_segment`, which runs each chunk as a checkpointed segment.
+
 One layer under BTP, segments [ ... ], all-reduces between them (b s elided; t = tp degree):
 
    [x (d/t) -> RMSNorm·A_qkv partial] -> AR(3r+1) ->
@@ -21,8 +25,9 @@ One layer under BTP, segments [ ... ], all-reduces between them (b s elided; t =
    [σ -> B_down -> x'' = x' + .]   [next layer: x'' -> RMSNorm·A_qkv partial] -> AR(3r+1) -> ...
 
 (The residual x'' ends one layer's last segment and starts the next layer's first: it is kept once,
-as the input of both. A segment never spans two layers, so each layer's segments run inside one
-call of it, `layer.call`, which FSDP2 all-gathers the layer's parameters around: dp_shard.py.)
+as the input of both. A segment never spans two layers: the layer's own forward runs its chunks,
+each through the `segment` it is handed, so FSDP2 gathers the layer's parameters around all of
+them as around any forward: dp_shard.py.)
 
 Saved per token per layer with `lowrank` (e = bytes per activation element; with rank ra for
 attention and rm for the MLP):
@@ -56,17 +61,6 @@ def _whole_layer(layer):
     return lambda x, cos, sin, *lat: layer(x, cos, sin, tuple(lat) or None)
 
 
-def _lowrank_layer(layer, x, cos, sin, p):
-    """One layer's segments; p: the previous layer's latents of q|k|v, o, gate|up, down (LaX)."""
-    b = layer   # a layouts.py layer (at tp=1 a group of one): its five chunks
-    partial = _segment(b.qkv_down, x)
-    partial, h_qkv = _segment(b.attn_chunk, b.reduce(partial), cos, sin, p[0])
-    x, partial, h_o = _segment(b.o_chunk, b.reduce(partial), x, p[1])
-    partial, h_gu = _segment(b.mlp_chunk, b.reduce(partial), p[2])
-    x, h_down = _segment(b.down_chunk, b.reduce(partial), x, p[3])
-    return x, (h_qkv, h_o, h_gu, h_down)
-
-
 def run_layers(layers, x, cos, sin, recompute, lat=None):
     """Run the decoder layers on x with the chosen activation checkpointing: (x, the last layer's
     latents under LaX, else None); `lat` holds the latents of the layer before the first (a pipeline
@@ -80,10 +74,9 @@ def run_layers(layers, x, cos, sin, recompute, lat=None):
         for layer in layers:
             x, lat = _segment(_whole_layer(layer), x, cos, sin, *(lat or ()))
         return x, lat
-    p = lat or (None,) * 4
-    for layer in layers:  # (through layer.call, which FSDP2 hooks as it hooks forward: dp_shard.py)
-        x, p = layer.call(_lowrank_layer, x, cos, sin, p)
-    return x, (p if layers[0].lax else None)
+    for layer in layers:  # (each chunk of the layer's forward a segment: layouts.BTPBlock)
+        x, lat = layer(x, cos, sin, lat, segment=_segment)
+    return x, lat
 
 
 def check_recompute(cfg, recompute):
