@@ -17,9 +17,12 @@ gradients (dA, dB), which reduce over every token, are cuBLAS's on both paths.
   dz_g = dy_g·B_g, dB_g = dy_gᵀ·z_g.
 - rms_norm: plain RMSNorm over the last dim (replicated-stream layouts, the final norm).
 
-The ops as torch.compile sees them (custom ops, each direction one, with their autograd) are
-kernel_ops.py; the Triton kernels themselves, their tile configurations per GPU and their
-launches are triton_kernels.py; on a machine without CUDA they run in Triton's interpreter.
+The file reads in that order: the PyTorch references (the math, and the specification the kernels
+are tested against), the dispatch, then the choosing of --kernels=auto (timing per op and shape,
+agreed across ranks). The ops as torch.compile sees them (custom ops, each direction one, with
+their autograd) are kernel_ops.py; the Triton kernels themselves, their tile configurations per
+GPU and their launches are triton_kernels.py; on a machine without CUDA they run in Triton's
+interpreter.
 """
 import contextlib
 import os
@@ -38,144 +41,9 @@ from kernel_ops import grouped_up_dz_op, grouped_up_op, norm_down_op, rms_norm_o
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = "torch"
-
-
-def select(mode, device):
-    """Choose the implementation: triton or torch everywhere; auto = on CUDA, per op and shape, the
-    faster of the two as measured the first time the shape comes (`_which`); elsewhere the
-    reference."""
-    global _backend
-    if mode not in BACKENDS:
-        raise ValueError(f"kernels={mode} is not one of {', '.join(BACKENDS)}")
-    if mode == "triton" and triton is None:
-        raise ValueError("kernels=triton but Triton is not installed")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if mode == "triton" and not str(device).startswith("cuda") and not interpreted:
-        raise ValueError("kernels=triton on a CPU needs TRITON_INTERPRET=1 set before start")
-    _backend = mode if mode != "auto" else ("auto" if triton and str(device).startswith("cuda")
-                                            else "torch")
-    _choices.clear()
-    return _backend
-
-
-def describe(device):
-    """The start line's words for the backend: none for the reference; Triton's interpreter (a
-    CPU under TRITON_INTERPRET=1) named as what it is, hundreds of times slower than PyTorch."""
-    if _backend == "torch":
-        return ""
-    slow = _backend == "triton" and not str(device).startswith("cuda")
-    return f", kernels {_backend}" + (" (Triton's interpreter on a CPU: hundreds of times slower, "
-                                      "for checking the kernels, not for training)" if slow else "")
-
-
-def backend():
-    """The implementation select() chose: "torch", "triton" or "auto" (measured per op and
-    shape)."""
-    return _backend
-
-
-@contextlib.contextmanager
-def using(name):
-    """`name` ("torch", "triton" or "auto") inside, whatever select() chose: the auto timing runs
-    each side this way, and the benches and tests force one."""
-    global _backend
-    saved, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = saved
-
-
-def reference():
-    """The PyTorch references inside (plumbing/explain.py records ops with a dispatch mode, to
-    which a Triton launch is invisible)."""
-    return using("torch")
-
-
-def chosen():
-    """What --kernels=auto chose so far: {(op, shape key): "triton" | "torch"}."""
-    return dict(_choices)
-
-
 _choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
 _agree = []  # the process groups over which auto's times are averaged before choosing (agree_over)
-
-
-def agree_over(*groups):
-    """Under torchrun, the groups whose ranks run the same shapes at the same moments (a pipeline
-    stage's TP and DP groups): auto averages each shape's times over them, so every rank chooses
-    alike. Ranks choosing alone could run replicated work (the final norm, vanilla's and megatron's
-    norms) through different implementations: the copies of a replicated weight would round
-    differently and drift apart, and the gradient norm, hence clipping, would differ between
-    ranks."""
-    _agree[:] = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
-
-
-def _rows(t):
-    """The token count of t (..., width) as auto's shape keys name it: rounded up to a power of two
-    (triton_kernels.bucket), so that sampling's M = 1, 2, 3, ... are timed a few times, not 200."""
-    return f"≤{tk.bucket(t.numel() // t.shape[-1])}"
-
-
-def _which(op, shape_key, fn, args):
-    """(forward, backward): the implementations of `op` for this shape: the forced one both ways,
-    or under auto the faster of the two in each direction for fn(*args), timed once (3 runs each
-    after a warm-up), logged once: a fused forward that wins is kept when its backward loses.
-    shape_key() names the shape; it is called only under auto, off the reference's hot path."""
-    if _backend != "auto":
-        return _backend, _backend
-    key = shape_key()
-    if (op, key) not in _choices:
-        if torch.compiler.is_compiling():
-            return "torch", "torch"   # (timed in the eager warm-up steps, not while tracing)
-        t = _averaged({name: _time(fn, args, name) for name in IMPLS}, args[0].device)
-        _choices[(op, key)] = tuple(min(IMPLS, key=lambda n: t[n][i]) for i in (0, 1))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"kernels: {op} ({key}) " + "; ".join(
-                f"{way} triton {t['triton'][i]:.3f} ms vs torch {t['torch'][i]:.3f} ms: "
-                f"{_choices[(op, key)][i]}" for i, way in enumerate(("forward", "backward"))))
-    return _choices[(op, key)]
-
-
 IMPLS = ("triton", "torch")
-
-
-def _averaged(times, device):
-    """{name: (forward ms, backward ms)} averaged over the ranks of the agree_over groups (every
-    rank the same result)."""
-    if not _agree:
-        return times
-    t = torch.tensor([times[n] for n in IMPLS], dtype=torch.float64, device=device)   # (2, 2)
-    for group in _agree:   # TP, then DP: the mean over the stage's whole (dp, tp) slab
-        dist.all_reduce(t, group=group)
-        t /= dist.get_world_size(group)
-    return dict(zip(IMPLS, map(tuple, t.tolist())))
-
-
-def _time(fn, args, name, runs=3):
-    """(forward ms, backward ms) of fn under implementation `name`, on copies of args: with grad on
-    (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
-    activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
-    import time
-    plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    with using(name), torch.enable_grad(), plain:
-        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a)
-                  else a for a in args]
-        sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
-        total = [0.0, 0.0]
-        for i in range(runs + 1):
-            sync()
-            t0 = time.perf_counter()
-            outs = [o for o in fn(*leaves) if o.requires_grad]
-            sync()
-            t1 = time.perf_counter()
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            sync()
-            if i:   # (the first run warms up)
-                total[0] += (t1 - t0) * 1000 / runs
-                total[1] += (time.perf_counter() - t1) * 1000 / runs
-        return tuple(total)
-
 
 # ------------------------------------------------------------------------- PyTorch references
 
@@ -258,3 +126,140 @@ def rms_norm(x, gamma, eps):
         return rms_norm_ref(x, gamma, eps)
     # (x in its own dtype, as the reference's F.rms_norm takes it under autocast: y in x's dtype)
     return rms_norm_op(x.reshape(-1, x.shape[-1]), gamma, eps, *ways)[0].view(x.shape)
+
+
+# ------------------------------------------------------------------------- choosing: --kernels=auto
+# (which implementation each op runs; under auto, timed per op and shape, agreed across ranks)
+
+def select(mode, device):
+    """Choose the implementation: triton or torch everywhere; auto = on CUDA, per op and shape, the
+    faster of the two as measured the first time the shape comes (`_which`); elsewhere the
+    reference."""
+    global _backend
+    if mode not in BACKENDS:
+        raise ValueError(f"kernels={mode} is not one of {', '.join(BACKENDS)}")
+    if mode == "triton" and triton is None:
+        raise ValueError("kernels=triton but Triton is not installed")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if mode == "triton" and not str(device).startswith("cuda") and not interpreted:
+        raise ValueError("kernels=triton on a CPU needs TRITON_INTERPRET=1 set before start")
+    _backend = mode if mode != "auto" else ("auto" if triton and str(device).startswith("cuda")
+                                            else "torch")
+    _choices.clear()
+    return _backend
+
+
+def describe(device):
+    """The start line's words for the backend: none for the reference; Triton's interpreter (a
+    CPU under TRITON_INTERPRET=1) named as what it is, hundreds of times slower than PyTorch."""
+    if _backend == "torch":
+        return ""
+    slow = _backend == "triton" and not str(device).startswith("cuda")
+    return f", kernels {_backend}" + (" (Triton's interpreter on a CPU: hundreds of times slower, "
+                                      "for checking the kernels, not for training)" if slow else "")
+
+
+def backend():
+    """The implementation select() chose: "torch", "triton" or "auto" (measured per op and
+    shape)."""
+    return _backend
+
+
+@contextlib.contextmanager
+def using(name):
+    """`name` ("torch", "triton" or "auto") inside, whatever select() chose: the auto timing runs
+    each side this way, and the benches and tests force one."""
+    global _backend
+    saved, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = saved
+
+
+def reference():
+    """The PyTorch references inside (plumbing/explain.py records ops with a dispatch mode, to
+    which a Triton launch is invisible)."""
+    return using("torch")
+
+
+def chosen():
+    """What --kernels=auto chose so far: {(op, shape key): "triton" | "torch"}."""
+    return dict(_choices)
+
+
+
+
+def agree_over(*groups):
+    """Under torchrun, the groups whose ranks run the same shapes at the same moments (a pipeline
+    stage's TP and DP groups): auto averages each shape's times over them, so every rank chooses
+    alike. Ranks choosing alone could run replicated work (the final norm, vanilla's and megatron's
+    norms) through different implementations: the copies of a replicated weight would round
+    differently and drift apart, and the gradient norm, hence clipping, would differ between
+    ranks."""
+    _agree[:] = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+
+
+def _rows(t):
+    """The token count of t (..., width) as auto's shape keys name it: rounded up to a power of two
+    (triton_kernels.bucket), so that sampling's M = 1, 2, 3, ... are timed a few times, not 200."""
+    return f"≤{tk.bucket(t.numel() // t.shape[-1])}"
+
+
+def _which(op, shape_key, fn, args):
+    """(forward, backward): the implementations of `op` for this shape: the forced one both ways,
+    or under auto the faster of the two in each direction for fn(*args), timed once (3 runs each
+    after a warm-up), logged once: a fused forward that wins is kept when its backward loses.
+    shape_key() names the shape; it is called only under auto, off the reference's hot path."""
+    if _backend != "auto":
+        return _backend, _backend
+    key = shape_key()
+    if (op, key) not in _choices:
+        if torch.compiler.is_compiling():
+            return "torch", "torch"   # (timed in the eager warm-up steps, not while tracing)
+        t = _averaged({name: _time(fn, args, name) for name in IMPLS}, args[0].device)
+        _choices[(op, key)] = tuple(min(IMPLS, key=lambda n: t[n][i]) for i in (0, 1))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"kernels: {op} ({key}) " + "; ".join(
+                f"{way} triton {t['triton'][i]:.3f} ms vs torch {t['torch'][i]:.3f} ms: "
+                f"{_choices[(op, key)][i]}" for i, way in enumerate(("forward", "backward"))))
+    return _choices[(op, key)]
+
+
+
+
+def _averaged(times, device):
+    """{name: (forward ms, backward ms)} averaged over the ranks of the agree_over groups (every
+    rank the same result)."""
+    if not _agree:
+        return times
+    t = torch.tensor([times[n] for n in IMPLS], dtype=torch.float64, device=device)   # (2, 2)
+    for group in _agree:   # TP, then DP: the mean over the stage's whole (dp, tp) slab
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+    return dict(zip(IMPLS, map(tuple, t.tolist())))
+
+
+def _time(fn, args, name, runs=3):
+    """(forward ms, backward ms) of fn under implementation `name`, on copies of args: with grad on
+    (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
+    activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
+    import time
+    plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with using(name), torch.enable_grad(), plain:
+        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a)
+                  else a for a in args]
+        sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
+        total = [0.0, 0.0]
+        for i in range(runs + 1):
+            sync()
+            t0 = time.perf_counter()
+            outs = [o for o in fn(*leaves) if o.requires_grad]
+            sync()
+            t1 = time.perf_counter()
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            sync()
+            if i:   # (the first run warms up)
+                total[0] += (t1 - t0) * 1000 / runs
+                total[1] += (time.perf_counter() - t1) * 1000 / runs
+        return tuple(total)

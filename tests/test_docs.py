@@ -10,7 +10,7 @@ from conftest import ROOT
 
 CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "pipeline.py", "kernels.py", "kernel_ops.py",
         "triton_kernels.py",
-        "checkpointing.py", "lax.py", "dp_shard.py", "muon.py", "train.py")
+        "recompute.py", "lax.py", "dp_shard.py", "muon.py", "train.py")
 SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
 
 
@@ -119,3 +119,23 @@ def test_nothing_points_outside_the_repository():
     for path in texts:
         text = path.read_text()
         assert not re.search("boost" + r"-notes|\.\./" + "shared", text), f"{path.relative_to(ROOT)} points outside the repository"
+
+
+def test_walkthrough_links_name_the_lines_that_hold_them():
+    """docs/walkthrough.md's links, [file.py:N](../file.py#LN) followed by a name in backticks: line N
+    of the file defines the named function or class (inside the named class where one is named)."""
+    text = (ROOT / "docs" / "walkthrough.md").read_text()
+    links = re.findall(r"\[([\w/]+\.py):(\d+)\]\(\.\./\1#L\2\)\s+`([\w.]+)`", text)
+    assert len(links) >= 30, len(links)   # every question answered with its lines
+    wrong = []
+    for path, n, name in links:
+        source = (ROOT / path).read_text().splitlines()
+        *owner, last = name.split(".")
+        line = source[int(n) - 1] if int(n) <= len(source) else ""
+        classes = [s for s in source[:int(n) - 1] if re.match(r"class \w+", s)]
+        inside = not owner or (classes and re.match(rf"class {owner[0]}\b", classes[-1]))
+        if not (re.match(rf"\s*(def|class) {last}\b", line) and inside):
+            held = [i for i, s in enumerate(source, 1) if re.match(rf"\s*(def|class) {last}\b", s)]
+            wrong.append(f"{path}:{n} does not hold {name} (defined at {held})")
+    assert not wrong, wrong
+    assert not re.findall(r"\[[\w/]+\.py:\d+\]\((?!\.\./)", text)   # every link relative to docs/
