@@ -150,6 +150,8 @@ class BTPBlock(Sharded):
     def attn_chunk(self, HS, cos, sin, p=None):
         cfg, t = self.cfg, self.tp.size
         h, out = self.emit(self.latent(HS), p, "qkv")                           # (b, s, 3r)
+        # B_q, B_k, B_v are cut by rows, i.e. by heads: each rank attends over its own heads, and
+        # their outputs side by side are its d/t slice of o's input, which A_o's columns match
         q, k, v = self.expand(h, [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         return y @ self.A_o.t(), out                                             # (b, s, r) partial
@@ -157,6 +159,7 @@ class BTPBlock(Sharded):
     @traced
     def o_chunk(self, u, x, p=None):
         h, out = self.emit(u, p, "o")                                            # (b, s, r)
+        # B_o's rows are this rank's d/t of the stream: the update lands on its own slice, locally
         x = x + self.expand(h, [self.B_o])[0]                                    # (b, s, d/t)
         return x, self.norm_down(x, self.mlp_norm, self.A_gu), out  # (b, s, 2r+1) partial
 
@@ -164,6 +167,7 @@ class BTPBlock(Sharded):
     def mlp_chunk(self, HS, p=None):
         h, out = self.emit(self.latent(HS), p, "gu")                            # (b, s, 2r)
         gate, up = self.expand(h, [self.B_gate, self.B_up])
+        # gate and up are cut alike along f, so their product is local; A_down reads those f/t
         a = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
         return a @ self.A_down.t(), out                                          # (b, s, r) partial
 
