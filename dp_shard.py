@@ -16,7 +16,7 @@ what the stage holds) another; the units hold each layout's TP-local parameters 
 under BTP the (r, d/t) and (d/t, r) slices), so FSDP shards over dp what TP already cut. FSDP2
 issues its collectives itself, through the Counted ones below, so the ledger (and --explain) sees
 each all-gather and reduce-scatter it sends. Under recompute=lowrank a layer's segments run inside
-its forward (recompute.py), so FSDP2 gathers its parameters around them as around any forward.
+its forward (checkpointing.py), so FSDP2 gathers its parameters around them as around any forward.
 """
 import torch
 import torch.distributed as dist

@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 import kernels
 import lax
-from recompute import run_layers
+from checkpointing import run_layers
 from model import Llama, causal_attention, gated_product, latent_act, rope_table
 from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
                       column_parallel)
@@ -100,9 +100,9 @@ class BTPBlock(Sharded):
     def forward(self, x, cos, sin, prev=None, segment=None):
         """One layer: five chunks, and between them the layer's only four collectives, each an
         all-reduce of an r-wide latent. segment(chunk, *args) runs each chunk: under
-        --recompute=lowrank a checkpointed segment (recompute.py), so the all-reduces stay outside
-        what backward replays. prev, and what it returns beside x under LaX: the latents of q|k|v,
-        o, gate|up, down."""
+        --recompute=lowrank a checkpointed segment (checkpointing.py), so the all-reduces stay
+        outside what backward replays. prev, and what it returns beside x under LaX: the latents of
+        q|k|v, o, gate|up, down."""
         run = segment or (lambda chunk, *args: chunk(*args))
         p = prev or (None,) * 4
         partial = run(self.qkv_down, x)                             # (b, s, 3r+1) partial
@@ -195,7 +195,7 @@ class VanillaBlock(Sharded):
     # each of the seven B's ends in an all-reduce of its whole output (d, kv or f) in its chunk.
     forward = BTPBlock.forward
 
-    # The chunks, with BTP's boundaries (recompute.run_layers recomputes them one by one).
+    # The chunks, with BTP's boundaries (checkpointing.run_layers recomputes them one by one).
     def reduce(self, partial):
         return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
 
@@ -239,7 +239,8 @@ class VanillaBlock(Sharded):
         cfg = self.cfg
         h, out = self.emit(z, p, "qkv")                                           # (b, s, 3r/t)
         hq, hk, hv = h.split(cfg.attn_rank // self.tp.size, -1)
-        q, k, v = (self.expand(hz, "attn_" + n) for hz, n in zip((hq, hk, hv), "qkv"))  # whole
+        # q (b, s, d), k and v (b, s, kv): each B's whole output, all-reduced (expand)
+        q, k, v = (self.expand(hz, "attn_" + n) for hz, n in zip((hq, hk, hv), "qkv"))
         y = causal_attention(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin)  # all heads, (b, s, d)
         return self.compress(y, "attn_o"), out                                    # (b, s, r/t)
 
@@ -304,7 +305,7 @@ class TPLlama(Sharded):
     held here ((b, s, d/t) under btp), and the last stage returns the logits for the schedule's loss
     (pipeline.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
     whole and uses its slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
-    `recompute` (none | layer | lowrank) is its activation checkpointing (recompute.py);
+    `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
     `block` replaces the layout's layer class (tools/ablations.py)."""
 
     def __init__(self, model, tp, layout, stage=0, stages=1, recompute="none", block=None):

@@ -1,7 +1,7 @@
 """plumbing/__init__.py: what a run needs around BOOST's story (arXiv 2512.12131), apart from it.
 
 The files at the repository's root tell the story (model, layouts, sharding, parallel, pipeline,
-kernels, recompute, lax, dp_shard, muon) and are the commands a user types (train, prepare,
+kernels, checkpointing, lax, dp_shard, muon) and are the commands a user types (train, prepare,
 interchange); none of the story imports this package. Here:
 
   options      train.py's options and their checks

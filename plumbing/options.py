@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from recompute import RECOMPUTE
+from checkpointing import RECOMPUTE
 import dp_shard
 import kernels
 from plumbing import preparation
@@ -84,7 +84,7 @@ class TrainConfig:
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
     # 1f1b | gpipe | interleaved_1f1b | zero_bubble (torch.distributed.pipelining; one stage a rank)
     pp_schedule: str = "1f1b"
-    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (recompute.py)
+    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (checkpointing.py)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
     overlap: bool = True

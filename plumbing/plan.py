@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recompute import check_recompute
+from checkpointing import check_recompute
 import sharding
 from model import Config
 from plumbing import options, rundir, train_state

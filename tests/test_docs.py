@@ -10,7 +10,7 @@ from conftest import ROOT
 
 CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "pipeline.py", "kernels.py", "kernel_ops.py",
         "triton_kernels.py",
-        "recompute.py", "lax.py", "dp_shard.py", "muon.py", "train.py")
+        "checkpointing.py", "lax.py", "dp_shard.py", "muon.py", "train.py")
 SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
 
 

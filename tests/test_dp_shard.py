@@ -14,7 +14,7 @@ import layouts
 import parallel
 import pipeline
 import sharding
-from recompute import RECOMPUTE
+from checkpointing import RECOMPUTE
 from model import Llama
 from plumbing import placement
 from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recompute import RECOMPUTE
+from checkpointing import RECOMPUTE
 import layouts
 import parallel
 from plumbing.recorder import SavedBytes

@@ -1,5 +1,5 @@
 """test_recompute.py: activation checkpointing (section 5): equal gradients for every mode, saved bytes
-equal to recompute.py's formulas, no collective replayed by low-rank recompute under BTP, the
+equal to checkpointing.py's formulas, no collective replayed by low-rank recompute under BTP, the
 recompute FLOPs.
 """
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recompute import RECOMPUTE
+from checkpointing import RECOMPUTE
 import layouts
 import parallel
 from model import Config, Llama
@@ -16,7 +16,7 @@ from plumbing.recorder import SavedBytes
 
 
 def lowrank_saved_per_token(layout, cfg, t, e=4):
-    """recompute.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
+    """checkpointing.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
     ra, rm, d = cfg.attn_rank, cfg.mlp_rank, cfg.n_embd
     lat = (4 * ra + 3 * rm) * e if cfg.lax else 0   # LaX: the previous layer's latents, whole
     return lat + {"btp": (4 * ra + 3 * rm + 2 + 2 * d // t) * e,

@@ -1,5 +1,4 @@
-"""recompute.py: activation recompute, BOOST (arXiv 2512.12131) section 5 (low-rank activation
-checkpointing).
+"""checkpointing.py: low-rank activation checkpointing, BOOST (arXiv 2512.12131) section 5.
 
 `--recompute=` chooses what autograd keeps between forward and backward:
 
