@@ -300,11 +300,12 @@ BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
 class TPLlama(Sharded):
     """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss), the
     logits vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without.
-    As pipeline stage `stage` of `stages` it holds n_layer/stages layers, the embedding on the first
-    stage and the final norm and LM head on the last; between stages the residual stream travels as
-    held here ((b, s, d/t) under btp), and the last stage returns the logits for the schedule's loss
-    (pipeline.Pipeline). Tied embeddings: every TP rank of the first and last stage holds the matrix
-    whole and uses its slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
+    As pipeline stage `stage` of `stages` (or the stages of a tuple: several a rank, pipeline.py)
+    it holds n_layer/stages layers a stage, the embedding with stage 0 and the final norm and LM
+    head with the last; between stages the residual stream travels as held here ((b, s, d/t) under
+    btp), and the last stage returns the logits for the schedule's loss (pipeline.Pipeline). Tied
+    embeddings: every TP rank of the first and last stage holds the matrix whole and uses its
+    slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
     `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
     `block` replaces the layout's layer class (tools/ablations.py)."""
 
@@ -313,8 +314,12 @@ class TPLlama(Sharded):
         full = {k: v.detach() for k, v in model.state_dict().items()}
         super().__init__(tp, full)
         self.cfg, self.layout, self.recompute = model.cfg, layout, recompute
-        self.first, self.last, self.pipelined = stage == 0, stage == stages - 1, stages > 1
-        per_stage = model.cfg.n_layer // stages
+        held = (stage,) if isinstance(stage, int) else tuple(stage)
+        self.first, self.last, self.pipelined = 0 in held, stages - 1 in held, stages > 1
+        per_stage, self.stages = model.cfg.n_layer // stages, stages
+        ids = [i for k in sorted(held) for i in range(k * per_stage, (k + 1) * per_stage)]
+        # stage k's layers: self.layers[self.at[k]] (held in the model's order)
+        self.at = {k: slice(j * per_stage, (j + 1) * per_stage) for j, k in enumerate(sorted(held))}
         self.tied = model.cfg.tie_embeddings
         if self.tied and (self.first or self.last):   # whole on every TP rank (and on the first
             self.shard("tok_emb", ["tok_emb.weight"], None)  # and last stage), (V, d): the two
@@ -323,8 +328,8 @@ class TPLlama(Sharded):
             self.shard("tok_emb", ["tok_emb.weight"],
                        1 if layout == "btp" else None)  # (V, d/t) or (V, d)
         self.layers = nn.ModuleList((block or BLOCKS[layout])(model.cfg, tp, full, f"layers.{i}.")
-                                    for i in range(stage * per_stage, (stage + 1) * per_stage))
-        for i, layer in enumerate(self.layers, stage * per_stage):
+                                    for i in ids)
+        for i, layer in zip(ids, self.layers):
             layer.label = f"{layout} layer {i}"  # in profiler traces
         if self.last:
             self.shard("norm", ["norm.weight"], None)
@@ -356,14 +361,17 @@ class TPLlama(Sharded):
         """The LM head as this rank uses it, vocab-parallel: (V/t, d)."""
         return self.tok_emb.chunk(self.tp.size, 0)[self.tp.tp_rank] if self.tied else self.lm_head
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, stage=None):
+        """`stage`: which held pipeline stage to run (None: the one held, or the whole model)."""
         g = self.tp.group
-        if self.first:
+        stage = next(iter(self.at)) if stage is None else stage
+        if stage == 0:
             x, lat = F.embedding(x, self.embedding()), None  # (b, s, d/t) btp, else (b, s, d)
         else:
             x, lat = self.unpack(x)  # from the previous pipeline stage
-        x, lat = run_layers(self.layers, x, self.rope_cos, self.rope_sin, self.recompute, lat)
-        if not self.last:
+        x, lat = run_layers(self.layers[self.at[stage]], x, self.rope_cos, self.rope_sin,
+                            self.recompute, lat)
+        if stage != self.stages - 1:
             return torch.cat([x, *lat], -1) if lat else x          # to the next pipeline stage
         if self.layout == "btp":   # the head is cut along V ≫ d: move d numbers a token, not V
             x = Gather.apply(x, g)                                  # (b, s, d)

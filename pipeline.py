@@ -1,73 +1,231 @@
 """pipeline.py: pipeline parallelism, the pp dimension of BOOST's 3D layouts (arXiv 2512.12131 §6).
 
-Each pipeline stage is a layouts.TPLlama holding n_layer/pp layers (the embedding on the first
-stage, the final norm and LM head on the last); torch.distributed.pipelining's schedules (1F1B,
-GPipe, and the multi-stage interleaved 1F1B and zero-bubble with one stage a rank) run the
-micro-batches through them. Between stages the residual stream travels as the layout
-holds it, (b, s, d/t) under BTP, and under LaX the previous layer's latents ride beside it.
-Notation: b batch, s sequence, d n_embd, t tp degree, V vocabulary.
+The model's layers are cut into pp × v stages (`--pp_virtual_stages` v; the embedding with the
+first stage, the final norm and LM head with the last), each rank holding v of them as one
+layouts.TPLlama; torch.distributed.pipelining's schedules run the micro-batches through them:
+1F1B and GPipe (one stage a rank), interleaved 1F1B and interleaved zero-bubble (stages looped over
+the ranks: rank i holds i, i + pp, ...), ZBV and DualPipeV (two stages a rank in a V: rank i holds
+i and 2pp − 1 − i, so the first and the last stage share rank 0). Zero-bubble schedules split each
+backward into the input's gradient (sent at once) and the weights' (deferred into what would be
+the bubble): under BTP a low-rank layer's weight gradients need no collective, so the deferred
+pass moves nothing. Between stages the residual stream travels as the layout holds it, (b, s, d/t)
+under BTP, and under LaX the previous layer's latents ride beside it.
+Notation: b batch, s sequence, d n_embd, t tp degree, V vocabulary, m micro-batches.
 """
+import time
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parallel import LEDGER, VocabParallelCrossEntropy
 
 
-# the schedules built for several stages a rank, run here with one: interleaved 1F1B's order, and
-# zero-bubble's, which splits each backward into the input's gradient (sent at once) and the
-# weights' (deferred into what would be the bubble)
-MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B",
-         "zero_bubble": "ScheduleInterleavedZeroBubble"}
+# torch.distributed.pipelining's schedule of each --pp_schedule
+SINGLE = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}   # one stage a rank
+MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B",       # v stages a rank, looped
+         "zero_bubble": "ScheduleInterleavedZeroBubble",
+         "zbv": "ScheduleZBVZeroBubble",                       # two stages a rank, in a V
+         "dualpipev": "ScheduleDualPipeV"}
+V_SHAPED = ("zbv", "dualpipev")
+BACKWARD_ACTIONS = ("B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD")   # (in torch's action lists)
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")   # the input's gradient, then the weights'
+
+
+def stages_of(pp_rank, pp, virtual, schedule):
+    """The pipeline stages rank `pp_rank` holds, of pp × virtual (V-shaped schedules: of 2pp)."""
+    if schedule in V_SHAPED:
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(k * pp + pp_rank for k in range(virtual))
+
+
+def rank_of(stage, pp, schedule):
+    """The pp rank holding `stage` (stages_of's inverse)."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+# the textbook's costs of an action, a forward's units: a whole backward twice a forward, split by
+# the zero-bubble schedules into the input's gradient and the weights', one each
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def order(schedule, pp, n_micro, virtual=1):
+    """{pp rank: [torch's actions, in the order it runs them]} of a schedule, built without
+    processes: 2F1 is stage 2's forward of micro-batch 1; I and W the two halves of a backward B.
+    The multi-stage schedules build it themselves (here on stand-in stages); 1F1B and GPipe run a
+    loop, written out here as theirs runs: p − rank warm-up forwards, then a backward and a
+    forward in turn, then the backwards left (GPipe: every forward, then every backward)."""
+    from types import SimpleNamespace
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    if schedule in MULTI:
+        v = 2 if schedule in V_SHAPED else virtual
+        stand_ins = [SimpleNamespace(group_rank=0, group_size=pp, num_stages=pp * v, submod=None,
+                                     stage_index=k) for k in range(v)]
+        return getattr(pipelining, MULTI[schedule])(stand_ins, n_micro).pipeline_order
+    out = {}
+    for r in range(pp):
+        f, b = [_Action(r, _ComputationType("F"), i) for i in range(n_micro)], \
+            [_Action(r, _ComputationType("B"), i) for i in range(n_micro)]
+        warm = n_micro if schedule == "gpipe" else min(n_micro, pp - r)
+        out[r] = f[:warm] + [a for i in range(n_micro - warm) for a in (b[i], f[warm + i])] + \
+            b[n_micro - warm:]
+    return out
+
+
+def timeline(actions, cost=COST):
+    """{pp rank: [(start, end, action)]}: each rank's actions (`order`) placed in time, each as soon
+    as its rank is free and what it needs is done (the stage before's forward of its micro-batch;
+    for a backward its own forward and the stage after's backward; for W its I), at `cost` a kind,
+    sends free. A model of the schedule, not a measurement: its idle share is `idle`'s."""
+    todo = {r: [sub for a in acts if a is not None and a.is_compute_op
+                for sub in (a.sub_actions or (a,))] for r, acts in actions.items()}
+    last = max(a.stage_index for acts in todo.values() for a in acts)
+    done, free, out = {}, dict.fromkeys(todo, 0), {r: [] for r in todo}
+
+    def ready(a):   # when what `a` needs is done, or None while it is not
+        s, k, m = a.stage_index, a.computation_type.value, a.microbatch_index
+        if k == "F":
+            needs = [(s - 1, "F", m)] if s else []
+        else:
+            needs = [(s, "I", m)] if k == "W" else [(s, "F", m)]
+        if k in "BI" and s < last:   # (the stage after's whole backward or its input half)
+            needs.append(next((n for n in ((s + 1, "B", m), (s + 1, "I", m)) if n in done),
+                              (s + 1, "B", m)))
+        return max((done[n] for n in needs), default=0) if all(n in done for n in needs) else None
+
+    while any(todo.values()):
+        moved = False
+        for r, acts in todo.items():
+            while acts and (t := ready(acts[0])) is not None:
+                a = acts.pop(0)
+                start = max(free[r], t)
+                free[r] = done[(a.stage_index, a.computation_type.value, a.microbatch_index)] = \
+                    start + cost[a.computation_type.value]
+                out[r].append((start, free[r], a))
+                moved = True
+        if not moved:
+            raise RuntimeError("the schedule's actions wait on each other")
+    return out
+
+
+def idle(placed):
+    """{pp rank: its idle share of the step} of a `timeline` (the step ends with its last
+    action)."""
+    end = max(e for acts in placed.values() for _, e, _ in acts)
+    return {r: 1 - sum(e - s for s, e, _ in acts) / end for r, acts in placed.items()}
+
+
+class StageView(nn.Module):
+    """One held stage of a TPLlama as torch's PipelineStage takes it: its parameters are the
+    stage's alone (the zero-bubble weight pass walks them) and its forward is the model's, for that
+    stage (so hooks on the model, FSDP2's, still run)."""
+
+    def __init__(self, model, stage):
+        super().__init__()
+        self.stage, self._model = stage, [model]   # (in a list: not a submodule)
+        self.layers = model.layers[model.at[stage]]
+        ends = (["tok_emb"] if stage == 0 else []) + \
+            (["norm", "lm_head", "tok_emb"] if stage == model.stages - 1 else [])
+        for name in dict.fromkeys(ends):
+            if isinstance(getattr(model, name, None), nn.Parameter):
+                self.register_parameter(name, getattr(model, name))
+
+    def forward(self, x):
+        return self._model[0](x, stage=self.stage)
 
 
 class Pipeline:
     """Pipeline parallelism over layouts.TPLlama stages with torch.distributed.pipelining.
 
     Each (dp, tp) rank of stage i sends its slice of the residual stream, (b, s, d/t) under btp, to
-    the same (dp, tp) rank of stage i+1, once per micro-batch forward and once per backward; the
-    ledger counts both. The schedule (1F1B or GPipe) runs this rank's gradient-accumulation
-    micro-batches; the loss is the vocab-parallel cross-entropy, and the schedule scales each
-    micro-batch's gradients by 1/n, so the result is the gradient of the mean loss."""
+    the same (dp, tp) rank of stage i+1, once per micro-batch forward and once per backward, where
+    the two stages sit on different ranks (a V's turn at its bottom rank stays there); the ledger
+    counts those. The schedule runs this rank's gradient-accumulation micro-batches; the loss is
+    the vocab-parallel cross-entropy over m, so the gradients add up to the mean loss's (torch's
+    own scaling is off: it would divide a tied embedding held by two stages of one rank twice)."""
 
-    def __init__(self, stage_model, mesh, n_micro, schedule, device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    def __init__(self, model, mesh, n_micro, schedule, device):
+        from torch.distributed import pipelining
         self.pp_group, tp_group = mesh.get_group("pp"), mesh.get_group("tp")
         pp_rank, pp = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
-        self.first, self.last = pp_rank == 0, pp_rank == pp - 1
-        stage = PipelineStage(stage_model, pp_rank, pp, torch.device(device), group=self.pp_group)
+        held, n_stages = tuple(model.at), model.stages   # (stages_of: the stages the model holds)
+        # one module a held stage (the model itself where it holds one)
+        views = [model] if len(held) == 1 else [StageView(model, k) for k in held]
+        stages = [pipelining.PipelineStage(v, k, n_stages, torch.device(device),
+                                           group=self.pp_group) for v, k in zip(views, held)]
+        self.first, self.last = model.first, model.last
 
         def loss_fn(logits, targets):  # (b, s, V/t), (b, s)
             return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
-                                                   tp_group).mean()
-        if schedule in MULTI:   # (these take a list of stages: here one a rank)
-            from torch.distributed import pipelining
-            self.schedule = getattr(pipelining, MULTI[schedule])([stage], n_micro,
-                                                                 loss_fn=loss_fn)
-        else:
-            kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self.schedule = kind(stage, n_micro, loss_fn=loss_fn)
-        self.n_micro, self.shapes = n_micro, None
-        stage_model.register_forward_hook(self._shapes)
+                                                   tp_group).mean() / n_micro
+        self.stages, self.device, self.busy = stages, torch.device(device), None
+        kind = getattr(pipelining, {**SINGLE, **MULTI}[schedule])
+        self.schedule = kind(stages if schedule in MULTI else stages[0], n_micro,
+                             loss_fn=loss_fn, scale_grads=False)
+        self.evaluator = self.schedule
+        if schedule in V_SHAPED:   # (torch evaluates in the training order, whose backward hands
+            # a gradient across the V's turn even then: evaluation runs the forwards alone)
+            self.evaluator = kind(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
+            self.evaluator.pipeline_order_with_comms = {
+                r: [sub for a in acts for sub in (a.sub_actions or (a,))
+                    if sub.computation_type.value not in BACKWARD_ACTIONS]
+                for r, acts in self.evaluator.pipeline_order_with_comms.items()}
+        self.n_micro, self.shapes = n_micro, {}
+        # the boundaries this rank sends across: (stage, forward to the next, backward to the last)
+        self.sends = [(k, k + 1 < n_stages and rank_of(k + 1, pp, schedule) != pp_rank,
+                       k > 0 and rank_of(k - 1, pp, schedule) != pp_rank) for k in held]
+        for v, k in zip(views, held):
+            v.register_forward_hook(self._keep_shapes(k))
 
-    def _shapes(self, module, inputs, output):
-        """The stage's input and output of one micro-batch (what crosses the stage boundaries)."""
-        self.shapes = (inputs[0].detach(), output.detach())
+    def _keep_shapes(self, k):
+        """A hook keeping stage k's input and output of one micro-batch (what crosses its
+        boundaries: the ledger's sends)."""
+        def hook(module, inputs, output):
+            self.shapes[k] = (inputs[0].detach(), output.detach())
+        return hook
+
+    def time_actions(self):
+        """From now on add the seconds each action computes into self.busy (F forward, B whole
+        backward, I and W its input and weight halves): the rest of a step is the bubble and the
+        waits on sends (tools/bench_schedules.py). On a GPU each action is synchronised."""
+        self.busy = dict.fromkeys("FBIW", 0.0)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+        def timed(fn, name):
+            def run(*args, **kwargs):
+                sync()
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                sync()
+                kind = "F" if name.startswith("forward") else "W" if "weight" in name else \
+                    "B" if kwargs.get("full_backward", True) else "I"
+                self.busy[kind] += time.perf_counter() - t0
+                return out
+            return run
+        for stage in self.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, timed(getattr(stage, name), name))
 
     def run(self, x, y, train=True):
-        """All micro-batches of x, y (n_micro·b, s) through the pipeline (forward and backward when
+        """All micro-batches of x, y (m·b, s) through the pipeline (forward and backward when
         training); returns the mean loss, on every stage, as a device tensor."""
         losses = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        (self.schedule.step if train else self.evaluator.eval)(*args, **kwargs)
         # (the schedule may run an extra forward to infer shapes: not counted)
-        x_in, out = self.shapes
-        for _ in range(self.n_micro):
-            if not self.last:            # the activation to the next stage
-                LEDGER.record("send", self.pp_group, out, "fwd")
-            if not self.first and train:  # the gradient of the input back to the previous stage
-                LEDGER.record("send", self.pp_group, x_in, "bwd")
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if self.last else \
+        for k, fwd, bwd in self.sends:
+            x_in, out = self.shapes[k]
+            for _ in range(self.n_micro):
+                if fwd:              # the activation to the next stage
+                    LEDGER.record("send", self.pp_group, out, "fwd")
+                if bwd and train:    # the gradient of the input back to the previous stage
+                    LEDGER.record("send", self.pp_group, x_in, "bwd")
+        # (each micro-batch's loss is divided by m: their sum is the mean)
+        loss = torch.stack([l.detach().float() for l in losses]).sum() if self.last else \
             torch.zeros((), device=x.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage holds it
         return loss   # on the device: train.py reads it at log steps

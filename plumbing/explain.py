@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import kernels
 import muon
+import pipeline
 
 from plumbing import placement
 from plumbing.notation import Names
@@ -131,8 +132,10 @@ def main(plan, place):
     (placement.Placement says where it sits), printed by rank 0; nothing else runs and no file is
     written."""
     from dataclasses import replace
-    model = placement.build_model(plan, place)[0]
     cfg, tc, layout = plan.cfg, plan.tc, plan.layout
+    # the ops are traced with one stage a rank (GPipe, below): several a rank run the same ops
+    one = replace(tc, pp_schedule="gpipe", pp_virtual_stages=1)
+    model = placement.build_model(replace(plan, tc=one), place)[0]
     world, mesh, tp, device = place.world, place.mesh, place.tp, place.device
     coords = {name: mesh.get_local_rank(name)
               for name in ("dp", "pp", "tp")} if mesh is not None else {}
@@ -144,7 +147,7 @@ def main(plan, place):
                       generator=torch.Generator().manual_seed(tc.seed + rank)).to(device)
     # wrapped as a run wraps it (DDP, or the pipeline: one micro-batch, GPipe, so the printout is
     # one pass through the stages), not compiled: the ops are recorded eagerly
-    wrapped, pipe = placement.wrap(model, replace(tc, pp_schedule="gpipe", compile=False), place, 1)
+    wrapped, pipe = placement.wrap(model, replace(one, compile=False), place, 1)
     ddp = wrapped if wrapped is not model else None
     if pipe:   # its first run infers the shapes between stages with an extra forward: not recorded
         pipe.run(x, x)
@@ -191,3 +194,23 @@ def report(cfg, tc, place, layout, shape, views, sums, compare):
     if compare:
         print("\nthe layouts side by side:")
         print("\n".join(compare))
+    if tc.pp > 1:
+        print("\n".join(schedule_lines(tc, tc.gradient_accumulation_steps // place.dp)))
+
+
+def schedule_lines(tc, n_micro):
+    """The pipeline schedule's actions on each pp rank, in order, and each rank's idle share as
+    pipeline.timeline models it (forward 1, backward 2 or its halves 1 and 1; sends free)."""
+    v = tc.pp_virtual_stages
+    acts = pipeline.order(tc.pp_schedule, tc.pp, n_micro, v)
+    share = pipeline.idle(pipeline.timeline(acts))
+    lines = [f"\nthe schedule: {tc.pp_schedule} over pp={tc.pp} ranks, {n_micro} micro-batches, "
+             f"{len(pipeline.stages_of(0, tc.pp, v, tc.pp_schedule))} stage(s) a rank",
+             "  (2F1: stage 2's forward of micro-batch 1; B a whole backward, I and W its input "
+             "and weight halves)",
+             "  idle share as modelled (pipeline.timeline: F 1, B 2, I and W 1 each, sends free); "
+             f"the textbook 1F1B bubble (p-1)/(m+p-1) = {(tc.pp - 1) / (n_micro + tc.pp - 1):.2f}"]
+    for r, a in acts.items():
+        lines.append(f"  pp rank {r} (idle {share[r]:.2f}): "
+                     + " ".join(str(x) for x in a if x is not None))
+    return lines

@@ -82,8 +82,9 @@ class TrainConfig:
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
     layout: str = "auto"           # auto (btp, or megatron for full) | btp | vanilla | megatron
     pp: int = 1                    # pipeline stages (n_layer / pp layers each)
-    # 1f1b | gpipe | interleaved_1f1b | zero_bubble (torch.distributed.pipelining; one stage a rank)
+    # 1f1b | gpipe | interleaved_1f1b | zero_bubble | zbv | dualpipev (docs/pipelines.md)
     pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1  # stages a rank: interleaved_1f1b, zero_bubble any; zbv, dualpipev 2
     recompute: str = "none"  # activation checkpointing: none | layer | lowrank (checkpointing.py)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
     # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
@@ -105,7 +106,7 @@ CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
            "layout": ("auto",) + sharding.LAYOUTS,
            "recompute": RECOMPUTE,
-           "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"),
+           "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"),
            "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),
            "muon_mode": ("auto", "gram", "gather")}
@@ -219,7 +220,7 @@ def read_config_file(path, known):
 
 # options of one launch, never taken from the record of the run a launch resumes
 PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "layout",
-              "pp_schedule",
+              "pp_schedule", "pp_virtual_stages",
               "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault",
               "num_proc", "data_dir",
               "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens", "threads"}
@@ -311,7 +312,7 @@ def check_values(tc):
     """Every training value in its range (ValueError naming the option): nothing starts
     otherwise."""
     for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
-                 "eval_iters", "tp", "pp",
+                 "eval_iters", "tp", "pp", "pp_virtual_stages",
                  "keep_checkpoints", "timeout_s"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")

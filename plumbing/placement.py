@@ -119,7 +119,8 @@ def build_model(plan, place, init=True):
     with torch.device("meta"):
         ref = Llama(cfg)
     counts = ref.num_params(), ref.flops_per_token(cfg.block_size)
-    model = layouts.TPLlama(ref, place.tp, plan.layout, stage=place.pp_rank, stages=tc.pp,
+    held = pipeline.stages_of(place.pp_rank, tc.pp, tc.pp_virtual_stages, tc.pp_schedule)
+    model = layouts.TPLlama(ref, place.tp, plan.layout, stage=held, stages=tc.pp * len(held),
                             recompute=tc.recompute)
     if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
         dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, plan.dtype, parallel.LEDGER)

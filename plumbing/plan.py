@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpointing import check_recompute
+import pipeline
 import sharding
 from model import Config
 from plumbing import options, rundir, train_state
@@ -64,15 +65,8 @@ def make(cfg, tc, world):
     layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
     sharding.check_divisible(cfg, tc.tp, layout, tc.pp)
     n_micro = tc.gradient_accumulation_steps // dp
-    if tc.pp > 1 and tc.pp_schedule != "gpipe" and n_micro < tc.pp:
-        raise ValueError(f"--pp_schedule={tc.pp_schedule} needs at least pp={tc.pp} micro-batches "
-                         f"per data-parallel rank: raise gradient_accumulation_steps to "
-                         f"{tc.pp * dp} or use --pp_schedule=gpipe")
-    rounds = max(1, n_micro // tc.pp)   # (torch's interleaved schedules run the micro-batches so)
-    if tc.pp > 1 and tc.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n_micro % rounds:
-        raise ValueError(f"--pp_schedule={tc.pp_schedule} runs its {n_micro} micro-batches per "
-                         f"data-parallel rank in rounds of pp={tc.pp}: give a multiple of "
-                         f"{rounds} (gradient_accumulation_steps {rounds * tc.pp * dp})")
+    if tc.pp > 1 or tc.pp_virtual_stages > 1:
+        check_pipeline(cfg, tc, n_micro, dp)
     if tc.dp_shard != "none":
         check_dp_shard(tc, dp)
     check_recompute(cfg, tc.recompute)
@@ -98,6 +92,37 @@ def compute_dtype(tc, device):
         return tc.dtype
     cuda = device.startswith("cuda") and torch.cuda.is_bf16_supported()
     return "bfloat16" if cuda else "float32"
+
+
+def check_pipeline(cfg, tc, n_micro, dp):
+    """The pipeline's stages and micro-batches fit its schedule (ValueError naming the
+    constraint): pipeline.py's schedules and what each needs."""
+    sched, pp, v = f"--pp_schedule={tc.pp_schedule}", tc.pp, tc.pp_virtual_stages
+    more = f"raise gradient_accumulation_steps (the micro-batches times dp={dp})"
+    if pp == 1:
+        raise ValueError(f"--pp_virtual_stages={v} cuts the pipeline's stages: it needs pp > 1")
+    if tc.pp_schedule in pipeline.SINGLE and v > 1:
+        raise ValueError(f"{sched} runs one stage a rank: --pp_virtual_stages={v} needs "
+                         "interleaved_1f1b, zero_bubble, zbv or dualpipev")
+    if tc.pp_schedule in pipeline.V_SHAPED and v != 2:
+        raise ValueError(f"{sched} holds two stages a rank, in a V: give --pp_virtual_stages=2")
+    if cfg.n_layer % (pp * v):
+        raise ValueError(f"n_layer={cfg.n_layer} cannot be split into pp × pp_virtual_stages = "
+                         f"{pp} × {v} = {pp * v} equal stages")
+    need = {"gpipe": 1, "dualpipev": 2 * pp, "zbv": 2 * pp}.get(tc.pp_schedule, pp)
+    if n_micro < need:
+        raise ValueError(f"{sched} needs at least {need} micro-batches per data-parallel rank "
+                         f"(pp={pp}), this run has {n_micro}: {more} or use --pp_schedule=gpipe")
+    if tc.dp_shard != "none" and tc.pp_schedule in pipeline.SPLIT_BACKWARD and \
+            len(pipeline.stages_of(0, pp, v, tc.pp_schedule)) > 1:
+        raise ValueError(f"{sched} with several stages a rank does not compose with --dp_shard: "
+                         "its weight pass looks for the stage's parameters, and FSDP2 computes "
+                         "with gathered copies; use one stage a rank or interleaved_1f1b")
+    rounds = max(1, n_micro // pp)   # (torch's interleaved schedules run the micro-batches so)
+    if tc.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n_micro % rounds:
+        raise ValueError(f"{sched} runs its {n_micro} micro-batches per data-parallel rank in "
+                         f"rounds of pp={pp}: give a multiple of {rounds} "
+                         f"(gradient_accumulation_steps {rounds * pp * dp})")
 
 
 def check_dp_shard(tc, dp):

@@ -9,8 +9,8 @@
                                    # (norm, grouping, recompute)
     python tools/bench.py comm     # exposed communication: each layout plain, with --overlap
                                    # and with no communication
-    python tools/bench.py pp       # pipeline stages: step time and stage-boundary volume,
-                                   # pp=1 vs pp=2
+    python tools/bench.py pp       # pipeline stages: step time, boundary volume, pp=1 vs pp=2
+    python tools/bench.py schedules  # each pipeline schedule: ms/step, idle share (bench_schedules)
     python tools/bench.py model    # the cluster-scale cost model against the paper's table
                                    # (costmodel.py)
     python tools/bench.py data     # preparing a generated corpus of --mb=1024 MB in six forms
@@ -278,7 +278,7 @@ def bench_checkpoint(extra):
 
 
 BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
-           "dp_shard", "startup", "optim", "quality", "threads")
+           "dp_shard", "startup", "optim", "quality", "threads", "schedules")
 
 
 def rounds_of(extra, default):
@@ -311,9 +311,9 @@ def bench_help(what):
 
 
 def bench_args(what, args):
-    """(iters, tps, json_dir, mb, keep, the model's --key=value) of a bench's arguments; optim's
-    runs default to 30 iterations (10 are few after the warm-up), the others' to 10."""
-    iters = 30 if what == "optim" else 10
+    """(iters, tps, json_dir, mb, keep, the model's --key=value) of a bench's arguments: 30
+    iterations for optim (10 are few after the warm-up), 3 for schedules, 10 for the others."""
+    iters = {"optim": 30, "schedules": 3}.get(what, 10)
     tps, json_dir, mb, keep, extra = (1, 2, 4), ROOT / "bench-results", 1024, None, []
     try:
         for arg in args:
@@ -381,7 +381,7 @@ def main(argv):
     elif what == "startup":
         import bench_startup
         text, out = bench_startup.bench(rounds_of(extra, 2))
-    elif what in ("dp_shard", "optim"):
+    elif what in ("dp_shard", "optim", "schedules"):
         bench = __import__(f"bench_{what}")
         text, out = bench.bench(iters, [a for a in extra if not a.startswith("--rounds=")],
                                 rounds_of(extra, 2 if what == "dp_shard" else 3))

@@ -14,7 +14,8 @@ One iteration on one GPU of a (dp, pp, tp) job, m micro-batches of b x s tokens 
   TP         per collective ALPHA + 2(t-1)/t · bytes / BW (ring all-reduce; an all-gather is half),
              bf16, on the critical path (not overlapped); BW is NVLink within a node, the network
              when the TP group spans nodes (4 GPUs a node).
-  PP         1F1B: (m + p - 1) slots of one stage's fwd+bwd, plus the activation sends b·s·d/t.
+  PP         1F1B: (m + p - 1) slots of one stage's fwd+bwd, plus the activation sends b·s·d/t;
+             other schedules: their action order placed in time (pipeline.timeline), in slots.
   DP         ring all-reduce of this rank's bf16 gradients over the network, not overlapped.
 
 The elements and the number of TP collectives per layer are layouts.per_layer_traffic's (tested
@@ -122,8 +123,20 @@ def flops_per_token(sh, layout, seq):
                 * sh.vocab_size) + 12 * sh.n_layer * sh.n_embd * seq
 
 
-def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRATION):
-    """Predicted seconds per iteration, and its parts."""
+def slots(schedule, p, m, v=1):
+    """A pipeline's length in one stage's fwd+bwd of a micro-batch: the schedule's action order
+    placed in time by pipeline.timeline (1F1B: m + p - 1)."""
+    import pipeline
+    if p == 1:
+        return m
+    placed = pipeline.timeline(pipeline.order(schedule, p, m, v))
+    end = max(e for acts in placed.values() for _, e, _ in acts)
+    return end / (3 * (2 if schedule in pipeline.V_SHAPED else v))   # (a stage's F+B: 3 units)
+
+
+def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRATION,
+                   schedule="1f1b", v=1):
+    """Predicted seconds per iteration, and its parts (`schedule`, `v`: the pipeline's)."""
     M, hd = b * s, sh.n_embd // sh.n_head
     eta = lambda n: cal["ETA_MAX"] * n / (n + cal["N_HALF"])
     gemm_list, heads = gemms(sh, layout, t)
@@ -144,13 +157,14 @@ def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRA
     layers = sh.n_layer / p
     stage = 3 * (layers * layer_fwd + head_fwd / p) + layers * layer_comm + head_comm / p
     send = (2 * M * sh.n_embd / t * 2 / hw.network) if p > 1 else 0.0
-    pipeline = (m + p - 1) * (stage + send)
+    n = m + p - 1 if schedule == "1f1b" else slots(schedule, p, m, v)
+    pipeline = n * (stage + send)
     params = flops_per_token(sh, layout, 0) / 6 / (t * p)
     dp_time = 2 * (dp - 1) / dp * params * 2 / hw.network + cal["ALPHA"] if dp > 1 else 0.0
     return {"total": pipeline + dp_time,
-            "compute": (m + p - 1) * 3 * (layers * layer_fwd + head_fwd / p),
-            "tp_comm": (m + p - 1) * (layers * layer_comm + head_comm / p),
-            "pp_send": (m + p - 1) * send,
+            "compute": n * 3 * (layers * layer_fwd + head_fwd / p),
+            "tp_comm": n * (layers * layer_comm + head_comm / p),
+            "pp_send": n * send,
             "dp_comm": dp_time}
 
 
@@ -211,6 +225,18 @@ def report():
               ("GPUs (30B, TP4 x PP4 x DP, 16 micro-batches, A100)",
                [(16 * dp, dict(shape=SHAPES["30B"], t=4, p=4, dp=dp, m=16))
                 for dp in (1, 4, 16, 64)])]
+    text.append("\nPredicted BOOST seconds per iteration by pipeline schedule (modelled: "
+                "pipeline.timeline's order, a backward twice a forward; A100, 16 micro-batches, "
+                "two stages a rank beyond 1F1B)\n")
+    rows = []
+    for name, t, p in (("13B", 4, 2), ("30B", 4, 4)):
+        base = iteration_time(SHAPES[name], "btp", HARDWARE["A100"], t, p, m=16)["total"]
+        for k in ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"):
+            x = iteration_time(SHAPES[name], "btp", HARDWARE["A100"], t, p, m=16, schedule=k,
+                               v=1 if k == "1f1b" else 2)["total"]
+            rows.append([name, t, p, k, f"{x:.2f}", f"{100 * (1 - x / base):.0f}%"])
+    out["schedules"] = rows
+    text.append(_table(["model", "TP", "PP", "schedule", "s/iteration", "saved vs 1F1B"], rows))
     for title, points in sweeps:
         rows = [[x, *speedups(**kw)] for x, kw in points]
         out[title] = rows

@@ -4,12 +4,15 @@ BOOST (arXiv 2512.12131) §4 moves the tensor-parallel boundary to the bottlenec
 
     python tools/draw.py traffic -o docs/figures/traffic.png   # TP elements per token per layer
     python tools/draw.py layer -o docs/figures/btp_layer.png   # one BTP layer: ops, all-reduces
+    python tools/draw.py schedules -o docs/figures/schedules.png   # the pipeline schedules
 
 traffic: forward and backward, per layout (Megatron on the dense model, vanilla low-rank TP, BTP,
 and both low-rank layouts with LaX), as the ledger counts them in a real step at tp=2 (bench.py
 traffic's worker), at the default shape (d=128, r=32). layer: the forward and backward of one layer
 under BTP at tp=2, in execution order, as `train.py --tp=2 --explain=true` records it: each op, and
-each all-reduce with what it carries and its width per token. -o names a .png, .svg or .pdf,
+each all-reduce with what it carries and its width per token. schedules: each pipeline schedule's
+actions on each of pp=4 ranks, 8 micro-batches, placed in time by pipeline.timeline (modelled, not
+timed). -o names a .png, .svg or .pdf,
 replaced if it exists. Needs matplotlib, which only the tools import.
 """
 import re
@@ -117,10 +120,48 @@ def draw_layer(text, out):
     plt.close(fig)
 
 
+SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2),
+             ("dualpipev", 2)]
+KIND_COLORS = {"F": "#2e86c1", "B": "#e67e22", "I": "#16a085", "W": "#27ae60"}
+
+
+def draw_schedules(out, pp=4, n_micro=8):
+    """Each schedule's actions on each pp rank, placed in time by pipeline.timeline (a forward 1, a
+    backward 2, its input and weight halves 1 each, in one stage's forward: drawn in a rank's,
+    v stages' worth, so that the schedules share one axis), idle time left white."""
+    import pipeline
+    plt = pyplot("tools/draw.py")
+    fig, axes = plt.subplots(len(SCHEDULES), 1, figsize=(11, 1.1 + 0.95 * len(SCHEDULES)),
+                             sharex=True)
+    for ax, (schedule, v) in zip(axes, SCHEDULES):
+        placed = pipeline.timeline(pipeline.order(schedule, pp, n_micro, v))
+        share = pipeline.idle(placed)
+        for r, acts in placed.items():
+            for start, end, a in acts:   # (in a rank's forward: a stage's is 1/v of it)
+                start, end, kind = start / v, end / v, a.computation_type.value
+                ax.barh(r, end - start, left=start, color=KIND_COLORS[kind], edgecolor="white",
+                        linewidth=0.5)
+                ax.text((start + end) / 2, r, f"{a.stage_index}{kind}{a.microbatch_index}",
+                        ha="center", va="center", fontsize=5, color="white")
+        ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)], fontsize=7)
+        ax.invert_yaxis()
+        mean = sum(share.values()) / pp
+        ax.set_title(f"{schedule}, {v} stage(s) a rank: idle {mean:.0%} of the step (modelled)",
+                     fontsize=8, loc="left")
+    axes[-1].set_xlabel("time, in a rank's forward of one micro-batch through all its layers (a "
+                        "stage's F 1/v of it, B twice F, I and W half of B; sends free); "
+                        f"pp={pp}, {n_micro} micro-batches; sFm: stage s, micro-batch m",
+                        fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv):
     parser = data.CommandParser(prog="tools/draw.py",
-                                description="Draw BOOST's traffic and one BTP layer.")
-    parser.add_argument("what", choices=("traffic", "layer"))
+                                description="Draw BOOST's traffic, one BTP layer, the pipeline "
+                                            "schedules.")
+    parser.add_argument("what", choices=("traffic", "layer", "schedules"))
     parser.add_argument("-o", "--output", required=True, metavar="FILE.png",
                         help="a .png, .svg or .pdf (replaced)")
     args = parser.parse_args(argv)
@@ -128,6 +169,8 @@ def main(argv):
     try:
         if args.what == "traffic":
             draw_traffic(args.output)
+        elif args.what == "schedules":
+            draw_schedules(args.output)
         else:
             draw_layer(explain_layer(), args.output)
     except ValueError as e:

@@ -3,8 +3,9 @@
 #
 #   bash tools/figures.sh [RUNS_DIR [FIGURES_DIR]]   # default runs/ and docs/figures/; about 16 minutes
 #
-# It replaces FIGURES_DIR/archs.png, layouts.png, traffic.png and btp_layer.png (tools/draw.py), the
-# committed figures by default (it says so first); name another FIGURES_DIR to keep them.
+# It replaces FIGURES_DIR/archs.png, layouts.png, traffic.png, btp_layer.png and schedules.png
+# (tools/draw.py), the committed figures by default (it says so first); name another FIGURES_DIR
+# to keep them.
 #
 # archs.png: dense, CoLA, svd and CoLA with LaX at the default shape, 1000 steps each on the embedded
 # corpus (BOOST arXiv 2512.12131 §7 compares at equal steps). layouts.png: CoLA at tp=1 and under
@@ -16,7 +17,8 @@ PY=${PY:-.venv/bin/python}
 R=${1:-runs}
 FIG=${2:-docs/figures}
 mkdir -p "$R" "$FIG"
-echo "figures.sh: the runs go to $R/; this replaces $FIG/archs.png, layouts.png, traffic.png, btp_layer.png" \
+echo "figures.sh: the runs go to $R/; this replaces $FIG/archs.png, layouts.png, traffic.png," \
+     "btp_layer.png, schedules.png" \
      "$([ "$FIG" = docs/figures ] && echo '(the committed figures: git diff shows the change)')"
 ONE="--max_iters=1000 --eval_interval=100 --sample_tokens=0"
 for a in full cola svd; do
@@ -37,3 +39,4 @@ $PY tools/plot.py "$R/tp1" "$R/btp" "$R/vanilla" "$R/megatron" \
     --title="The layouts: the same batches, 300 steps" --diff -o "$FIG/layouts.png"
 $PY tools/draw.py traffic -o "$FIG/traffic.png"
 $PY tools/draw.py layer -o "$FIG/btp_layer.png"
+$PY tools/draw.py schedules -o "$FIG/schedules.png"
