@@ -21,6 +21,8 @@ its forward (checkpointing.py), so FSDP2 gathers its parameters around them as a
 import torch
 import torch.distributed as dist
 
+from parallel import all_gather_last
+
 MODES = ("none", "grad", "full")
 # (the names of torch 2.13; the older ones before it)
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -147,3 +149,26 @@ def write_rows(param, rows, values):
     got = held(param, rows)
     if got is not None:
         got[0].copy_(values[got[1]])
+
+
+def gathered_rows(params, rows):
+    """The whole TP-local tensors (Muon's updates) of sharded `params` from each dp rank's
+    `rows` (FSDP2 cuts dim 0 as torch.chunk does, ceil(m/dp) rows a rank: padded to that), in
+    one all-gather of them all, cut back. Gathered rather than orthogonalised shard-wise: a dp
+    shard holds rows of the TP-local tensor, which for an A (r, d/t) cut the short side r (X·Xᵀ
+    needs whole rows) and for a stacked qkv cut across pieces; its bytes are one all-gather of
+    the matrices, as FSDP2's own before a forward."""
+    mesh = params[0].device_mesh
+    dp, padded = mesh.size(), []
+    for p, r in zip(params, rows):
+        pad = r.new_zeros((chunk_rows(p.shape[0], dp), *r.shape[1:]))   # (ceil(m/dp), n)
+        pad[:len(r)] = r
+        padded.append(pad)
+    flat = torch.cat([x.reshape(-1) for x in padded])                         # (L,)
+    every = all_gather_last(flat, mesh.get_group(), "optim").view(dp, -1)     # (dp, L)
+    out, start = [], 0
+    for p, x in zip(params, padded):
+        part = every[:, start:start + x.numel()].reshape(dp, *x.shape)        # (dp, rows, n)
+        out.append(part.reshape(-1, *x.shape[1:])[:p.shape[0]])               # (m, n)
+        start += x.numel()
+    return out

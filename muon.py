@@ -26,8 +26,12 @@ link's latency is small and d > 10·r). Same-shaped matrices take their Newton-S
 bmm chain. Both paths equal one device's Muon (tests/test_muon.py); their collectives go to the
 ledger with the phase "optim" (per_layer_traffic: their elements in layouts.py's terms). Under
 --dp_shard (FSDP2 holds each TP-local matrix cut along its rows over dp) the momentum runs on each
-rank's rows, every update is all-gathered over dp in one call first (dp_gathered) and each rank
-applies its own rows. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on a CPU.
+rank's rows, every update is all-gathered over dp in one call first (dp_shard.gathered_rows), and
+each rank applies its own rows. A third path, `--muon_mode=owner`: each sharded matrix is made
+whole on one owner rank of the TP group and orthogonalised there, in two all-to-alls a step
+(parallel.owner_computes): 2/t of the gather's bytes and 1/t of its work on each rank, for one
+more collective; it pays where t ≥ 4 or Newton-Schulz's products dominate, and is only taken
+when asked. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on a CPU.
 """
 import math
 import re
@@ -35,7 +39,7 @@ import re
 import torch
 
 import dp_shard
-from parallel import all_gather_last, all_reduce, group_size
+from parallel import all_reduce, gathered_all, owner_computes, owners
 
 NS = (3.4445, -4.7750, 2.0315)
 STEPS = 5
@@ -99,27 +103,10 @@ def newton_schulz_gram(blocks, group, dtype=torch.float32, steps=STEPS):
     return out
 
 
-def gathered_all(blocks, dims, group):
-    """The whole matrices of several pieces, each cut along its dim in `dims` over `group`, from
-    this rank's `blocks`, in one all-gather: the blocks (oriented so the cut runs along the last
-    dim) flattened into one buffer, gathered, and cut back per piece and rank."""
-    oriented = [x.t() if dim == 0 else x for x, dim in zip(blocks, dims)]   # (a, b/t) each
-    flat = torch.cat([y.reshape(-1) for y in oriented])                       # (L,)
-    t = group_size(group)
-    every = all_gather_last(flat, group, "optim").view(t, -1)                 # (t, L)
-    out, start = [], 0
-    for y, dim in zip(oriented, dims):
-        part = every[:, start:start + y.numel()].reshape(t, *y.shape)         # (t, a, b/t)
-        whole = torch.cat(list(part), dim=-1)                                 # (a, b)
-        out.append(whole.t() if dim == 0 else whole)
-        start += y.numel()
-    return out
-
-
 class Piece:
     """One full weight inside a local parameter: its rows [start, start + rows) of the local tensor,
     the dimension `dim` its full tensor is cut along over t ranks (None: whole here), and how its
-    update is orthogonalised: "whole", "gram" or "gather"."""
+    update is orthogonalised: "whole", "gram", "gather" or "owner"."""
 
     def __init__(self, start, rows, local_shape, dim, t, prefer=None):
         self.start, self.rows, self.dim, self.t = start, rows, dim, t
@@ -130,6 +117,8 @@ class Piece:
         m, n = self.full
         if dim is None or t == 1:
             self.mode = "whole"
+        elif prefer == "owner":
+            self.mode = "owner"
         else:
             long_side = 1 if m <= n else 0
             gram_bytes = STEPS * 2 * min(m, n) ** 2                 # all-reduces, ring: 2(t-1)/t
@@ -185,15 +174,15 @@ class MuonAdamW(torch.optim.AdamW):
         keep = 1.0 if found is None else (found == 0).to(torch.float32)   # (0: skip this step)
         work = [p for p in group["params"] if p.grad is not None]
         updates = self.updates(work, group["momentum"], found, keep)   # (TP-local, dp gathered)
-        whole, gather, gram = [], [], []
+        whole, gather, gram, owned = [], [], [], []
         for p in work:
             for piece in group["pieces"][p]:
                 x = piece.block(updates[p])
                 if piece.mode == "gram":   # oriented (small, large): the cut runs along columns
                     gram.append(((p, piece.start), piece, x.t() if piece.dim == 0 else x))
                 else:
-                    (gather if piece.mode == "gather" else whole).append(((p, piece.start),
-                                                                          piece, x))
+                    {"gather": gather, "owner": owned, "whole": whole}[piece.mode].append(
+                        ((p, piece.start), piece, x))
         tp = group["tp"]
         fulls = [x for *_, x in whole]
         if gather:
@@ -207,15 +196,20 @@ class MuonAdamW(torch.optim.AdamW):
             ys = newton_schulz_gram([x for *_, x in gram], tp.group, group["ns_dtype"])
             for (key, piece, _), y in zip(gram, ys):
                 out[key] = y.t() if piece.dim == 0 else y
+        if owned:   # (each whole on its owner: two all-to-alls)
+            ys = owner_computes([x for *_, x in owned], [pc.dim for _, pc, _ in owned], tp.group,
+                                lambda xs: newton_schulz_many([x.float() for x in xs],
+                                                              group["ns_dtype"]))
+            out.update({key: y for (key, _, _), y in zip(owned, ys)})
         self.apply(group, work, out, keep)
 
     def updates(self, params, momentum, found, keep):
         """{p: its Nesterov update, whole on this TP rank}: under --dp_shard each on this dp rank's
-        rows, then every sharded one gathered over dp in one all-gather (dp_gathered)."""
+        rows, then every sharded one gathered over dp in one all-gather (dp_shard.gathered_rows)."""
         rows = {p: self.nesterov(p, momentum, found, keep) for p in params}
         sharded = [p for p in params if dp_shard.is_sharded(p)]
         if sharded:
-            rows.update(zip(sharded, dp_gathered(sharded, [rows[p] for p in sharded])))
+            rows.update(zip(sharded, dp_shard.gathered_rows(sharded, [rows[p] for p in sharded])))
         return rows
 
     def nesterov(self, p, momentum, found, keep):
@@ -242,29 +236,6 @@ class MuonAdamW(torch.optim.AdamW):
                     view, part = got
                     step = out[(p, piece.start)][part].to(p.dtype)
                     view.sub_(step * (lr * piece.lr_scale * keep))
-
-
-def dp_gathered(params, rows):
-    """Under --dp_shard: the whole TP-local updates of `params` from each dp rank's `rows` (FSDP2
-    cuts dim 0 as torch.chunk does, ceil(m/dp) rows a rank: padded to that), in one all-gather of
-    them all, cut back. Gathered rather than orthogonalised shard-wise: a dp shard holds rows of
-    the TP-local tensor, which for an A (r, d/t) cut the short side r (X·Xᵀ needs whole rows) and
-    for a stacked qkv cut across pieces; its bytes are one all-gather of the matrices, as FSDP2's
-    own before a forward."""
-    mesh = params[0].device_mesh
-    dp, padded = mesh.size(), []
-    for p, r in zip(params, rows):
-        pad = r.new_zeros((dp_shard.chunk_rows(p.shape[0], dp), *r.shape[1:]))   # (ceil(m/dp), n)
-        pad[:len(r)] = r
-        padded.append(pad)
-    flat = torch.cat([x.reshape(-1) for x in padded])                         # (L,)
-    every = all_gather_last(flat, mesh.get_group(), "optim").view(dp, -1)     # (dp, L)
-    out, start = [], 0
-    for p, x in zip(params, padded):
-        part = every[:, start:start + x.numel()].reshape(dp, *x.shape)        # (dp, rows, n)
-        out.append(part.reshape(-1, *x.shape[1:])[:p.shape[0]])               # (m, n)
-        start += x.numel()
-    return out
 
 
 def configure(model, tc, prefer=None):
@@ -335,13 +306,13 @@ def choose_mode(pieces, cuda, alpha_us=0.0, gbps=0.0):
 def collectives(optimizer):
     """The collectives of one Muon step (the ledger's calls in phase "optim"), whatever the number
     of matrices: one all-gather over dp under --dp_shard, one all-gather of the gathered pieces
-    over TP, and 1 + 5 all-reduces for the Gram pieces."""
+    over TP, 1 + 5 all-reduces for the Gram pieces, two all-to-alls for the owner pieces."""
     total = 0
     for g in optimizer.param_groups:
         if g.get("muon"):
             modes = {pc.mode for pcs in g["pieces"].values() for pc in pcs}
             total += any(dp_shard.is_sharded(p) for p in g["params"])
-            total += ("gather" in modes) + (1 + STEPS) * ("gram" in modes)
+            total += ("gather" in modes) + (1 + STEPS) * ("gram" in modes) + 2 * ("owner" in modes)
     return total
 
 
@@ -359,8 +330,8 @@ def per_layer_traffic(layout, cfg, t, prefer=None):
     terms of layouts.per_layer_traffic (d, kv, f, r_a, r_m; t) and tested equal to the ledger:
     each projection (out, in) of rank ρ is A (ρ, in) and B (out, ρ) (arch=full: W (out, in)),
     cut by BTP along in and out (X's long side), by vanilla along ρ, by Megatron along out (q, k,
-    v, gate, up: column-parallel) or in (o, down); a piece costs 5·min(m, n)² + 1 by the Gram path
-    or m·n gathered (Piece chooses)."""
+    v, gate, up: column-parallel) or in (o, down); a piece costs 5·min(m, n)² + 1 by the Gram path,
+    m·n gathered (Piece chooses), or 2·m·n/t a rank on average by the owner path."""
     if t == 1:
         return 0
     d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
@@ -374,15 +345,17 @@ def per_layer_traffic(layout, cfg, t, prefer=None):
         for m, n, dim in mats:
             piece = Piece(0, m // t if dim == 0 else m, (0, n // t if dim == 1 else n), dim, t,
                           prefer)
-            total += 5 * min(m, n) ** 2 + 1 if piece.mode == "gram" else m * n
+            total += {"gram": 5 * min(m, n) ** 2 + 1, "owner": 2 * m * n // t}.get(piece.mode,
+                                                                                 m * n)
     return total
 
 
 def traffic(optimizer, group="tp"):
     """The elements Muon's collectives over `group` carry in one step (the ledger's phase "optim"
     counts the results). "tp": per Gram piece its r×r matrix at each of the 5 steps, and one norm;
-    per gathered piece the whole matrix (m·n). "dp" (--dp_shard): every matrix's TP-local update,
-    its m rows padded to a multiple of dp."""
+    per gathered piece the whole matrix (m·n); owner pieces: this rank's block of every one
+    (m·n/t) to the owners, and of those it owns, every rank's slice back (m·n: parallel.owners).
+    "dp" (--dp_shard): every matrix's TP-local update, its m rows padded to a multiple of dp."""
     total = 0
     for g in optimizer.param_groups:
         if not g.get("muon"):
@@ -396,4 +369,8 @@ def traffic(optimizer, group="tp"):
         grams = [pc for pc in pieces if pc.mode == "gram"]
         total += (len(grams) + STEPS * sum(min(pc.full) ** 2 for pc in grams)) if grams else 0
         total += sum(pc.full[0] * pc.full[1] for pc in pieces if pc.mode == "gather")
+        owned = [pc.full[0] * pc.full[1] for pc in pieces if pc.mode == "owner"]
+        if owned:
+            t, me = g["tp"].size, g["tp"].tp_rank
+            total += sum(owned) // t + sum(n for n, k in zip(owned, owners(owned, t)) if k == me)
     return total

@@ -73,7 +73,8 @@ class TrainConfig:
     optimizer: str = "adamw"
     muon_lr: float = 0.02          # Muon's peak learning rate (the schedule scales it alike)
     muon_momentum: float = 0.95    # Muon's Nesterov momentum
-    # Muon over TP: auto (the α-β cheaper) | gram (r×r all-reduces) | gather (the matrices)
+    # Muon over TP: auto (the α-β cheaper of gram, gather) | gram (r×r all-reduces) | gather (the
+    # matrices) | owner (each matrix whole on one rank: two all-to-alls)
     muon_mode: str = "auto"
     muon_alpha_us: float = 0.0     # a collective's latency for auto; 0: gloo 50, NCCL 10
     muon_gbps: float = 0.0         # its bandwidth, GB/s, for auto; 0: gloo 1, NCCL 100
@@ -109,7 +110,7 @@ CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"),
            "kernels": kernels.BACKENDS,
            "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),
-           "muon_mode": ("auto", "gram", "gather")}
+           "muon_mode": ("auto", "gram", "gather", "owner")}
 FAULTS = ("kill", "nan", "kill_in_save")
 
 

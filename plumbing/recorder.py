@@ -56,7 +56,9 @@ FSDP = {"all_gather": "a unit's parameters for the next ops, gathered over dp (F
 OPTIM = {("all_reduce", "tp"): "Muon: the first the updates' squared norms, then one a Newton-"
                                "Schulz step: the r×r Gram matrices X·Xᵀ, summed over tp",
          ("all_gather", "tp"): "Muon: a matrix's update, gathered whole to orthogonalise",
-         ("all_gather", "dp"): "Muon: a matrix's update, its rows gathered over dp (--dp_shard)"}
+         ("all_gather", "dp"): "Muon: a matrix's update, its rows gathered over dp (--dp_shard)",
+         ("all_to_all", "tp"): "Muon (owner): the first each rank's block of a matrix to its "
+                               "owner, the second each slice of the result back"}
 
 
 class Recorder(TorchDispatchMode):

@@ -77,7 +77,8 @@ def _worker(tp_rank, world, meshes):
             parallel.LEDGER.name(mesh.get_group(name), name)
         dp_rank = mesh.get_local_rank("dp")
         for arch, layout, prefer in [("cola", "btp", "gram"), ("cola", "btp", "gather"), ("svd", "vanilla", None),
-                                     ("full", "megatron", None)]:
+                                     ("full", "megatron", None), ("cola", "btp", "owner"),
+                                     ("svd", "vanilla", "owner"), ("full", "megatron", "owner")]:
             where = f"{arch}/{layout}/{prefer} dp={dp} tp={tp} dp_shard={shard}"
             torch.manual_seed(0)
             ref = Llama(small(arch, lax=arch != "full", kv=max(2, tp)))
@@ -87,7 +88,8 @@ def _worker(tp_rank, world, meshes):
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 and shard == "none" else tp_model
             opt_ref, opt = muon.configure(ref, tc_of()), muon.configure(tp_model, tc_of(), prefer)
             modes = {pc.mode for g in opt.param_groups if g.get("muon") for pcs in g["pieces"].values() for pc in pcs}
-            assert modes == {"whole" if tp == 1 else "gram" if prefer == "gram" else "gather"}, (where, modes)
+            assert modes == {"whole" if tp == 1 else prefer if prefer in ("gram", "owner") else "gather"}, \
+                (where, modes)
             for step in range(3):
                 idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
                 share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
@@ -107,7 +109,9 @@ def _worker(tp_rank, world, meshes):
                 calls = parallel.LEDGER.total(phase="optim", unit="calls")
                 assert calls == muon.collectives(opt) <= 1 + 1 + 1 + muon.STEPS, (where, calls)
                 layer = muon.per_layer_traffic(layout, ref.cfg, tp, prefer)   # (the closed form)
-                assert muon.traffic(opt) == ref.cfg.n_layer * layer and (layer > 0) == (tp > 1), where
+                mine = torch.tensor(muon.traffic(opt))   # (owner: what a rank sends depends on what it owns)
+                dist.all_reduce(mine, group=mesh.get_group("tp"))
+                assert mine == tp * ref.cfg.n_layer * layer and (layer > 0) == (tp > 1), where
                 assert parallel.LEDGER.total("dp", "optim") == muon.traffic(opt, "dp"), where
                 assert (muon.traffic(opt, "dp") > 0) == (shard != "none"), where   # (gathered over dp)
             full = tp_model.gather_full({n: dp_shard.whole(p.detach()) for n, p in tp_model.named_parameters()})
@@ -132,6 +136,32 @@ def test_muon_tp2_and_dp_shard_every_layout_equals_one_device():
 @pytest.mark.slow
 def test_muon_tp4_dp2_tp2_and_dp_shard_tp2_equal_one_device():
     spawn(4, _worker, [(1, 4, "none"), (2, 2, "none"), (2, 2, "full")], timeout=600)
+
+
+def test_owners_balance_the_work():
+    assert parallel.owners([5, 3, 3, 1], 2) == [0, 1, 1, 0]   # largest first, each to the least loaded
+    assert parallel.owners([2, 1], 4) == [0, 1]                 # ranks 2 and 3 own none
+
+
+def _owner_worker(rank, world):
+    """owner_computes against gathering every matrix (gathered_all) and applying fn on every rank:
+    three matrices cut along rows or columns, then one matrix alone (rank 1 owns none)."""
+    group = placement.init_mesh(1, world, "cpu", 120).get_group("tp")
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(6, 8, generator=g), torch.randn(4, 10, generator=g), torch.randn(8, 8, generator=g)]
+    for picked in ([0, 1, 2], [1]):
+        dims = [(0, 1, 1)[i] for i in picked]
+        blocks = [fulls[i].chunk(world, d)[rank] for i, d in zip(picked, dims)]
+        fn = lambda xs: [2 * x + x.sum() for x in xs]   # (elementwise and whole-matrix: needs it whole)
+        got = parallel.owner_computes(blocks, dims, group, fn)
+        want = [y.chunk(world, d)[rank] for y, d in zip(fn(parallel.gathered_all(blocks, dims, group)), dims)]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    dist.barrier()
+
+
+def test_owner_computes_equals_computing_everywhere():
+    spawn(2, _owner_worker)
 
 
 def test_traffic_formula_counts_gram_and_gather():

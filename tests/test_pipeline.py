@@ -108,13 +108,13 @@ V2 = ["--pp_virtual_stages=2"]
     pytest.param(2, ["--pp=2", "--pp_schedule=zero_bubble", *V2, "--recompute=layer", "--arch=svd",
                      "--layout=vanilla"], marks=pytest.mark.slow),
     pytest.param(4, ["--pp=2", "--tp=2", "--pp_schedule=dualpipev", *V2, "--lax=true",
-                     "--recompute=lowrank"], marks=pytest.mark.slow),
+                     "--recompute=lowrank", "--optimizer=muon", "--muon_mode=owner"], marks=pytest.mark.slow),
     pytest.param(4, ["--pp=2", "--dp=2", "--pp_schedule=interleaved_1f1b", *V2, "--dp_shard=grad",
                      "--gradient_accumulation_steps=8"], marks=pytest.mark.slow)])
 def test_pipeline_schedules_train_like_one_process(tmp_path, data_dir, nproc, layout):
     """Each schedule's training run (several stages a rank) reproduces one process's losses."""
     options = [a for a in layout if a.split("=")[0] in ("--tie_embeddings", "--optimizer", "--lax", "--arch",
-                                                        "--gradient_accumulation_steps")]
+                                                        "--gradient_accumulation_steps", "--muon_mode")]
     single = run_train(tmp_path / "one", data_dir, *PP_RUN, *options)
     torchrun(nproc, f"--out_dir={tmp_path / 'pp'}", f"--data_dir={data_dir}", *TINY, *PP_RUN, *layout)
     records = metrics(tmp_path / "pp")
