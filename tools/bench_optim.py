@@ -6,7 +6,9 @@ train.py process of `--iters` iterations (default 30), `--rounds` times (default
 interleaved; an iteration's figure is the median of its rounds' medians (train.py's ms, the first 3
 left out). The optimizer step alone: one process, each model's parameters given fixed gradients,
 the four optimizers' steps interleaved, `--iters` each, the median, with train.py's non-finite flag
-set (found_inf = 0: Muon then masks each gradient and scales by a tensor, as in training). Extra
+set (found_inf = 0: Muon then masks each gradient and scales by a tensor, as in training); then
+CoLA's Muon step alone at tp=2 under BTP by each path over TP (gram, gather, owner), two
+processes, the paths interleaved, the median of `--iters` steps. Extra
 `--key=value` arguments set the model and batch as in train.py (the default run's shape without
 them; `--n_embd=512 --n_head=8` for docs/muon.md's larger one).
 """
@@ -48,6 +50,56 @@ def step_alone(extra, iters):
     return {case: statistics.median(t) for case, t in times.items()}
 
 
+def _tp_worker(rank, world, store, extra, iters, result):
+    """The Muon step alone at tp=2 under BTP by each path over TP, interleaved step by step."""
+    import json
+    import torch
+    import torch.distributed as dist
+    import layouts
+    import muon
+    import parallel
+    from model import Llama
+    from plumbing import options
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world)
+    cfg, tc = options.parse_args([*extra, "--arch=cola", "--optimizer=muon"])
+    cfg.vocab_size = options.vocab_size(tc.tokenizer)
+    torch.manual_seed(0)
+    model = layouts.TPLlama(Llama(cfg), tp, "btp")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opts = {mode: muon.configure(model, tc, mode) for mode in TP_MODES}
+    for opt in opts.values():
+        opt.found_inf = torch.zeros(())   # (as train.py sets it every step)
+    times = {mode: [] for mode in TP_MODES}
+    for i in range(iters + 2):   # (the first two: warm-up)
+        for mode in TP_MODES:
+            dist.barrier()
+            start = time.perf_counter()
+            opts[mode].step()
+            dist.barrier()
+            if i >= 2:
+                times[mode].append((time.perf_counter() - start) * 1e3)
+    if rank == 0:
+        Path(result).write_text(json.dumps({m: statistics.median(t) for m, t in times.items()}))
+    dist.destroy_process_group()
+
+
+TP_MODES = ("gram", "gather", "owner")
+
+
+def tp_step(extra, iters):
+    """{path: median ms of CoLA's Muon step alone at tp=2 under BTP} (two processes, one thread
+    each, the paths interleaved)."""
+    import json
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_tp_worker, args=(2, f"{tmp}/store", extra, iters, f"{tmp}/out.json"),
+                           nprocs=2, start_method="spawn")
+        return json.loads(Path(f"{tmp}/out.json").read_text())
+
+
 def bench(iters, extra, rounds):
     from bench_common import steady, table, train_run
     runs = {case: [] for case in CASES}
@@ -69,13 +121,16 @@ def bench(iters, extra, rounds):
              + (f" ({' '.join(extra)})" if extra else " (the default run's shape)"))
     out = {f"{arch} {opt}": {"ms_per_iter": runs[(arch, opt)], "optimizer_ms": alone[(arch, opt)]}
            for arch, opt in CASES}
-    counted = counts()
-    out["collectives"] = counted
+    counted, at_tp2 = counts(), tp_step(extra, iters)
+    out["collectives"], out["tp2_step_ms"] = counted, at_tp2
     return (title + "\n\n" + table(["arch", "optimizer", "ms / iteration (median)", "each round",
                                     "optimizer step alone, ms"], rows) +
             "\n\nMuon's collectives a step, BTP at tp=4, the papers' CoLA shapes (counted on the "
             "meta device):\n\n" + table(["shape", "mode", "matrices (pieces) a rank holds",
-                                         "collectives before buckets", "after"], counted)), out
+                                         "collectives before buckets", "after"], counted) +
+            "\n\nCoLA's Muon step alone at tp=2 under BTP, by the path over TP (two processes, "
+            "one thread each, interleaved, median ms):\n\n" +
+            table(["path", "ms"], [[m, f"{at_tp2[m]:.1f}"] for m in TP_MODES])), out
 
 
 def unbucketed(optimizer):
