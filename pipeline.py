@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from parallel import LEDGER, VocabParallelCrossEntropy
 
@@ -162,6 +163,8 @@ class Pipeline:
             return VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
                                                    tp_group).mean() / n_micro
         self.stages, self.device, self.busy = stages, torch.device(device), None
+        if schedule in SINGLE:   # (the multi-stage schedules label their actions PP:2F1 in traces)
+            self._label(stages[0])
         kind = getattr(pipelining, {**SINGLE, **MULTI}[schedule])
         self.schedule = kind(stages if schedule in MULTI else stages[0], n_micro,
                              loss_fn=loss_fn, scale_grads=False)
@@ -186,6 +189,18 @@ class Pipeline:
         def hook(module, inputs, output):
             self.shapes[k] = (inputs[0].detach(), output.detach())
         return hook
+
+    @staticmethod
+    def _label(stage):
+        """1F1B's and GPipe's forwards and backwards as PP:<stage>F<micro-batch> (B) in --profile
+        traces, as torch's multi-stage schedules label theirs."""
+        def labelled(fn, kind):
+            def run(chunk, *args, **kwargs):
+                with record_function(f"PP:{stage.stage_index}{kind}{chunk}"):
+                    return fn(chunk, *args, **kwargs)
+            return run
+        stage.forward_one_chunk = labelled(stage.forward_one_chunk, "F")
+        stage.backward_one_chunk = labelled(stage.backward_one_chunk, "B")
 
     def time_actions(self):
         """From now on add the seconds each action computes into self.busy (F forward, B whole

@@ -76,3 +76,19 @@ def test_schedules_bench_runs_every_schedule(tmp_path):
     drawn = subprocess.run([sys.executable, str(ROOT / "tools" / "draw.py"), "schedules", "-o",
                             str(tmp_path / "schedules.png")], capture_output=True, text=True, timeout=300)
     assert drawn.returncode == 0 and (tmp_path / "schedules.png").stat().st_size > 10_000, drawn.stderr
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_profile_labels_every_action_of_the_schedule(tmp_path, schedule):
+    """--profile traces carry each compute action of the rank's schedule as PP:<action> (torch labels
+    the multi-stage schedules' own; pipeline.Pipeline labels 1F1B's and GPipe's)."""
+    import json
+    virtual = ["--pp_virtual_stages=2"] if schedule == "zbv" else []
+    torchrun(2, f"--out_dir={tmp_path}", *TINY, "--n_layer=4", "--pp=2", f"--pp_schedule={schedule}", *virtual,
+             "--batch_size=1", "--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100",
+             "--profile=1:1")
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())
+        labels = {e["name"][3:] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("PP:")}
+        want = set(names(pipeline.order(schedule, 2, 4, 2 if virtual else 1)[rank]))
+        assert want <= labels and len(want) == (8 if schedule == "1f1b" else 24), (rank, want - labels)
