@@ -17,6 +17,7 @@ under BTP the (r, d/t) and (d/t, r) slices), so FSDP shards over dp what TP alre
 issues its collectives itself, through the Counted ones below, so the ledger (and --explain) sees
 each all-gather and reduce-scatter it sends. Under recompute=lowrank a layer's segments run inside
 its forward (checkpointing.py), so FSDP2 gathers its parameters around them as around any forward.
+Muon's updates, which need whole rows, are gathered over dp in one call (gathered_rows).
 """
 import torch
 import torch.distributed as dist

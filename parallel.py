@@ -19,6 +19,8 @@ The pairs, each a forward and its backward (Megatron's f and g, and the rest):
 
 Before the LM head BTP gathers the residual stream (b, s, d/t) -> (b, s, d) (Gather): the head is
 cut along the vocabulary, and V ≫ d, so moving d numbers a token beats moving its V logits.
+At the end, what muon.py's optimizer step needs: several matrices' pieces in one collective
+(gathered_all), or each matrix made whole on one owner rank and cut back (owner_computes).
 """
 from collections import defaultdict
 from dataclasses import dataclass
