@@ -58,6 +58,16 @@ def test_explain_prints_the_schedule_rank_by_rank(tmp_path):
     assert line0[:5] == ["0F0", "0F1", "0F2", "3F0", "3I0"] and len(line0) == 24   # F, I, W of 8
 
 
+def test_schedules_bench_refuses_what_it_cannot_run():
+    import subprocess
+    import sys
+    for arg in ("--pp=3", "--n_embd=64"):
+        res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "schedules", arg],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert res.returncode == 2 and res.stderr.startswith(f"error: {arg}: this bench takes"), res.stderr
+        assert res.stderr.count("\n") == 1 and not res.stdout, (res.stdout, res.stderr)
+
+
 @pytest.mark.slow
 def test_schedules_bench_runs_every_schedule(tmp_path):
     import subprocess

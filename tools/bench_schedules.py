@@ -7,7 +7,8 @@ its halves 1 each, sends free) and the textbook 1F1B bubble (p−1)/(m+p−1). C
 group of one, d=256, 8 layers (a stage of one layer at pp=4 with two stages a rank), 2 sequences of
 128 byte tokens a micro-batch, one thread a rank. Each round is a fresh group of pp processes
 running every schedule in turn (the order rotated each round), 1 step to warm up and `--iters`
-timed (default 3); the figures are medians over `--rounds` rounds (default 3). At pp=4 this
+timed (default 3); the figures are medians over `--rounds` rounds (default 3); `--pp=2` or
+`--pp=4` runs one degree (anything else: one error line). At pp=4 this
 2-core machine runs 4 processes: a waiting rank lends its core, so the measured shares there are
 the machine's as much as the schedule's.
 """
@@ -94,7 +95,12 @@ def bench(iters, extra, rounds):
     """(markdown, results) of every schedule at pp=2 and 4 with 4 and 8 micro-batches."""
     import pipeline
     from bench_common import table
-    pps = [int(a.split("=")[1]) for a in extra if a.startswith("--pp=")] or [2, 4]
+    pps = [a.split("=", 1)[1] for a in extra if a.startswith("--pp=")] or ["2", "4"]
+    if any(p not in ("2", "4") for p in pps) or any(not a.startswith("--pp=") for a in extra):
+        print(f"error: {' '.join(extra)}: this bench takes --pp=2 or --pp=4 (its 8 layers, two "
+              "stages a rank), --iters and --rounds", file=sys.stderr)
+        sys.exit(2)
+    pps = [int(p) for p in pps]
     rows, out = [], {}
     for pp in pps:
         for key, r in measure(pp, iters, rounds).items():
