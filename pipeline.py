@@ -40,13 +40,6 @@ def stages_of(pp_rank, pp, virtual, schedule):
     return tuple(k * pp + pp_rank for k in range(virtual))
 
 
-def rank_of(stage, pp, schedule):
-    """The pp rank holding `stage` (stages_of's inverse)."""
-    if schedule in V_SHAPED:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
 # the textbook's costs of an action, a forward's units: a whole backward twice a forward, split by
 # the zero-bubble schedules into the input's gradient and the weights', one each
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -62,7 +55,7 @@ def order(schedule, pp, n_micro, virtual=1):
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
     if schedule in MULTI:
-        v = 2 if schedule in V_SHAPED else virtual
+        v = len(stages_of(0, pp, virtual, schedule))
         stand_ins = [SimpleNamespace(group_rank=0, group_size=pp, num_stages=pp * v, submod=None,
                                      stage_index=k) for k in range(v)]
         return getattr(pipelining, MULTI[schedule])(stand_ins, n_micro).pipeline_order
@@ -112,10 +105,14 @@ def timeline(actions, cost=COST):
     return out
 
 
+def span(placed):
+    """A `timeline`'s length: the step ends with its last action."""
+    return max(e for acts in placed.values() for _, e, _ in acts)
+
+
 def idle(placed):
-    """{pp rank: its idle share of the step} of a `timeline` (the step ends with its last
-    action)."""
-    end = max(e for acts in placed.values() for _, e, _ in acts)
+    """{pp rank: its idle share of the step} of a `timeline`."""
+    end = span(placed)
     return {r: 1 - sum(e - s for s, e, _ in acts) / end for r, acts in placed.items()}
 
 
@@ -151,7 +148,6 @@ class Pipeline:
     def __init__(self, model, mesh, n_micro, schedule, device):
         from torch.distributed import pipelining
         self.pp_group, tp_group = mesh.get_group("pp"), mesh.get_group("tp")
-        pp_rank, pp = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
         held, n_stages = tuple(model.at), model.stages   # (stages_of: the stages the model holds)
         # one module a held stage (the model itself where it holds one)
         views = [model] if len(held) == 1 else [StageView(model, k) for k in held]
@@ -177,9 +173,10 @@ class Pipeline:
                     if sub.computation_type.value not in BACKWARD_ACTIONS]
                 for r, acts in self.evaluator.pipeline_order_with_comms.items()}
         self.n_micro, self.shapes = n_micro, {}
-        # the boundaries this rank sends across: (stage, forward to the next, backward to the last)
-        self.sends = [(k, k + 1 < n_stages and rank_of(k + 1, pp, schedule) != pp_rank,
-                       k > 0 and rank_of(k - 1, pp, schedule) != pp_rank) for k in held]
+        # the boundaries this rank sends across, (stage, forward to the next, backward to the
+        # last): those whose neighbour another rank holds
+        self.sends = [(k, k + 1 < n_stages and k + 1 not in held, k > 0 and k - 1 not in held)
+                      for k in held]
         for v, k in zip(views, held):
             v.register_forward_hook(self._keep_shapes(k))
 

@@ -42,10 +42,10 @@ def test_stages_a_rank_holds():
     assert [pipeline.stages_of(r, 4, 2, "interleaved_1f1b") for r in range(4)] == \
         [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert [pipeline.stages_of(r, 4, 2, "zbv") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    for schedule in ("zero_bubble", "dualpipev", "1f1b"):
-        for stage in range(8 if schedule != "1f1b" else 4):
-            r = pipeline.rank_of(stage, 4, schedule)
-            assert stage in pipeline.stages_of(r, 4, 1 if schedule == "1f1b" else 2, schedule)
+    for schedule in ("zero_bubble", "dualpipev", "1f1b"):   # every stage on exactly one rank
+        held = [k for r in range(4) for k in pipeline.stages_of(r, 4, 1 if schedule == "1f1b" else 2,
+                                                                  schedule)]
+        assert sorted(held) == list(range(8 if schedule != "1f1b" else 4)), (schedule, held)
 
 
 def test_explain_prints_the_schedule_rank_by_rank(tmp_path):

@@ -130,8 +130,8 @@ def slots(schedule, p, m, v=1):
     if p == 1:
         return m
     placed = pipeline.timeline(pipeline.order(schedule, p, m, v))
-    end = max(e for acts in placed.values() for _, e, _ in acts)
-    return end / (3 * (2 if schedule in pipeline.V_SHAPED else v))   # (a stage's F+B: 3 units)
+    held = len(pipeline.stages_of(0, p, v, schedule))
+    return pipeline.span(placed) / (3 * held)   # (a stage's F+B: 3 units, `held` of them a rank)
 
 
 def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRATION,
