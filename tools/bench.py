@@ -168,13 +168,8 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
 
 def measure(world, names, cfg, batch, iters):
     """Run _measure_worker in `world` processes; {variant: results} with the median ms."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_measure_worker,
-                           args=(world, f"{tmp}/store", names, cfg.shape(), batch, iters,
-                                                  f"{tmp}/out.json"), nprocs=world,
-                           start_method="spawn")
-        out = json.loads(Path(f"{tmp}/out.json").read_text())
+    from bench_common import spawned
+    out = spawned(_measure_worker, world, names, cfg.shape(), batch, iters)
     for r in out.values():
         r["ms"] = statistics.median(r["ms"]) if r["ms"] else None   # (iters=0: the counts alone)
     return out

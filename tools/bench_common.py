@@ -1,5 +1,6 @@
-"""bench_common.py: what the benches of tools/bench.py share: train.py runs under torchrun, the
-steady-state median of a metric, a config file's place among the arguments, markdown tables.
+"""bench_common.py: what the benches of tools/bench.py share: train.py runs under torchrun, spawned
+worker groups, the steady-state median of a metric, a config file's place among the arguments,
+markdown tables.
 
 Not in the BOOST paper (arXiv 2512.12131); the measuring harness of its §7 comparisons here.
 """
@@ -29,6 +30,17 @@ def train_run(nproc, args, out_dir):
         sys.exit(f"train.py {' '.join(args)} failed:\n{res.stderr[-2000:]}")
     records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
     return [r for r in records if "event" not in r]
+
+
+def spawned(worker, world, *args):
+    """worker(rank, world, store, *args, result) in `world` spawned processes (gloo over a file
+    store in a temporary folder); what the worker wrote to `result`, read as JSON."""
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(world, f"{tmp}/store", *args, f"{tmp}/out.json"),
+                           nprocs=world, start_method="spawn")
+        return json.loads(Path(f"{tmp}/out.json").read_text())
 
 
 def steady(records, key):

@@ -59,7 +59,7 @@ def _tp_worker(rank, world, store, extra, iters, result):
     import muon
     import parallel
     from model import Llama
-    from plumbing import options
+    from plumbing import options, placement
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
     tp = parallel.TPGroup(dist.group.WORLD, rank, world)
@@ -83,7 +83,7 @@ def _tp_worker(rank, world, store, extra, iters, result):
                 times[mode].append((time.perf_counter() - start) * 1e3)
     if rank == 0:
         Path(result).write_text(json.dumps({m: statistics.median(t) for m, t in times.items()}))
-    dist.destroy_process_group()
+    placement.exit_worker(world)
 
 
 TP_MODES = ("gram", "gather", "owner")
@@ -92,12 +92,8 @@ TP_MODES = ("gram", "gather", "owner")
 def tp_step(extra, iters):
     """{path: median ms of CoLA's Muon step alone at tp=2 under BTP} (two processes, one thread
     each, the paths interleaved)."""
-    import json
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_tp_worker, args=(2, f"{tmp}/store", extra, iters, f"{tmp}/out.json"),
-                           nprocs=2, start_method="spawn")
-        return json.loads(Path(f"{tmp}/out.json").read_text())
+    from bench_common import spawned
+    return spawned(_tp_worker, 2, extra, iters)
 
 
 def bench(iters, extra, rounds):

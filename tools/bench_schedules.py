@@ -15,7 +15,6 @@ the machine's as much as the schedule's.
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -75,14 +74,11 @@ def _worker(rank, world, store, todo, iters, result):
 
 def measure(pp, iters, rounds):
     """{(schedule, v, m): {ms, idle (per rank)}}: medians over rounds of fresh pp-process groups."""
-    import torch.multiprocessing as mp
+    from bench_common import spawned
     todo, per = cases(pp), {}
     for r in range(rounds):
         turn = todo[r % len(todo):] + todo[:r % len(todo)]   # (rotated: drift hits all alike)
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, args=(pp, f"{tmp}/store", turn, iters, f"{tmp}/out.json"),
-                               nprocs=pp, start_method="spawn")
-            ranks = json.loads(Path(f"{tmp}/out.json").read_text())
+        ranks = spawned(_worker, pp, turn, iters)
         for key in ranks[0]:
             step = max(rk[key]["step"] for rk in ranks)   # (the step ends with the last rank)
             per.setdefault(key, []).append((step, [1 - rk[key]["busy"] / step for rk in ranks]))

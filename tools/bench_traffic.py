@@ -5,7 +5,6 @@ layouts.per_layer_traffic's formula; with LaX rows (a layer that crosses).
 """
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 # the core files live at the repository root
@@ -80,17 +79,12 @@ def optimizer_traffic(model, layout, cfg, t):
 
 
 def bench_traffic(extra, tp):
-    import torch.multiprocessing as mp
     from model import Config
     from plumbing import options
-    from bench_common import shape_args, table
+    from bench_common import shape_args, spawned, table
     cfg, _ = options.parse_args(shape_args(extra, []))
     kwargs = {k: v for k, v in cfg.shape().items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_traffic_worker, args=(tp, f"{tmp}/store", kwargs, f"{tmp}/out.json"),
-                           nprocs=tp,
-                           start_method="spawn")
-        out = json.loads(Path(f"{tmp}/out.json").read_text())
+    out = spawned(_traffic_worker, tp, kwargs)
     cfg = Config(**kwargs)
     rows = [[layout, *[f"{text} = {v:g}" for text, v in zip(FORMULAS[layout],
                                                             out[layout]["formula"])],
