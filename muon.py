@@ -12,26 +12,24 @@ It is for the 2-D weights of the decoder layers (every A and B factor, and the d
 arch=full); embeddings, the head, norm gains and LaX's gates stay with AdamW, as Muon's authors do.
 
 Under tensor parallelism each weight is a piece of a layout's local parameter (sharding.Spec), cut
-along one dimension over the t ranks. Two paths give one device's update. Gram: where the cut runs
+along one dimension over the t ranks. Three paths give one device's update. Gram: where the cut runs
 along X's long side (BTP: A (r, d) and B (d, r) along d) the Newton-Schulz steps need only the r×r
 Gram matrix G = Σ_ranks X_i·X_iᵀ, and each rank updates its own columns (the work split t ways).
 Gather: the piece's update is gathered whole, orthogonalised on every rank, and its slice kept (the
-only way where vanilla cuts the latent r, Megatron its rows or columns). Either way the
-collectives come in buckets, not one a matrix: one all-gather of every gathered piece a step, one
-all-reduce of every Gram piece's r×r matrix at each of the 5 steps (and one of the norms), so a step
-issues at most 1 + 6 over TP however many layers (`collectives`). By default (`--muon_mode=auto`)
-the pieces the Gram path fits take the cheaper of the two by an α-β cost (`choose_mode`: at r = d/4
-the gather moves 0.4× the Gram path's bytes in one collective against six, so it gathers unless the
-link's latency is small and d > 10·r). Same-shaped matrices take their Newton-Schulz steps as one
-bmm chain. Both paths equal one device's Muon (tests/test_muon.py); their collectives go to the
-ledger with the phase "optim" (per_layer_traffic: their elements in layouts.py's terms). Under
---dp_shard (FSDP2 holds each TP-local matrix cut along its rows over dp) the momentum runs on each
-rank's rows, every update is all-gathered over dp in one call first (dp_shard.gathered_rows), and
-each rank applies its own rows. A third path, `--muon_mode=owner`: each sharded matrix is made
-whole on one owner rank of the TP group and orthogonalised there, in two all-to-alls a step
-(parallel.owner_computes): 2/t of the gather's bytes and 1/t of its work on each rank, for one
-more collective; it pays where t ≥ 4 or Newton-Schulz's products dominate, and is only taken
-when asked. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on a CPU.
+only way where vanilla cuts the latent r, Megatron its rows or columns). Owner
+(`parallel.owner_computes`): each matrix is made whole on one owner rank of the TP group and
+orthogonalised there, in two all-to-alls a step: 2/t of the gather's bytes and 1/t of its work a
+rank. The collectives come in buckets, not one a matrix: one all-gather of every gathered piece a
+step, one all-reduce of every Gram piece's r×r matrix at each of the 5 steps (and one of the
+norms), two all-to-alls for the owned ones: at most 1 + 6 over TP a step however many layers
+(`collectives`). By default (`--muon_mode=auto`) `choose_mode` takes the path of least modelled
+cost: α a collective, bytes over bandwidth, Newton-Schulz FLOPs at the device's rate (`step_cost`).
+Same-shaped matrices take their Newton-Schulz steps as one bmm chain. Every path equals one
+device's Muon (tests/test_muon.py); their collectives go to the ledger with the phase "optim"
+(per_layer_traffic: their elements in layouts.py's terms). Under --dp_shard (FSDP2 holds
+each TP-local matrix cut along its rows over dp) the momentum runs on each rank's rows, every
+update is all-gathered over dp in one call first (dp_shard.gathered_rows), and each rank applies
+its own rows. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on a CPU.
 """
 import math
 import re
@@ -261,8 +259,8 @@ def configure(model, tc, prefer=None):
                         else [Piece(0, p.shape[0], p.shape, None, 1)]) for p in mats}
         if prefer is None and tc.muon_mode != "auto":
             prefer = tc.muon_mode
-        if prefer is None:   # auto: the cheaper of the two for the pieces the Gram path fits
-            prefer, said = choose_mode(cut("gram"), cuda, tc.muon_alpha_us, tc.muon_gbps)
+        if prefer is None:   # auto: the path of least modelled cost
+            prefer, said = choose_mode(cut, cuda, tc.muon_alpha_us, tc.muon_gbps, tc.muon_tflops)
         groups.append({"params": mats, "muon": True, "pieces": cut(prefer), "tp": tp,
                        "momentum": tc.muon_momentum, "weight_decay": tc.weight_decay,
                        "lr_ratio": tc.muon_lr / tc.learning_rate,
@@ -274,33 +272,59 @@ def configure(model, tc, prefer=None):
     return opt
 
 
-# the α-β cost of a collective, α + bytes / bandwidth, by backend (--muon_alpha_us, --muon_gbps
-# override): gloo over a host's loopback or Ethernet; NCCL within an NVLink node
-LINKS = {"gloo": (50.0, 1.0), "nccl": (10.0, 100.0)}   # (α in µs, GB/s)
+# a Muon step's cost by backend (override: --muon_alpha_us, --muon_gbps, --muon_tflops): gloo over
+# a host's loopback, one CPU thread's fp32 products at Muon's small shapes (17 to 78 GFLOP/s
+# measured here); NCCL within an NVLink node, a GPU's bf16 products
+LINKS = {"gloo": (50.0, 1.0, 0.05), "nccl": (10.0, 100.0, 100.0)}   # (α µs, GB/s, TFLOP/s)
 
 
-def choose_mode(pieces, cuda, alpha_us=0.0, gbps=0.0):
-    """("gram" or "gather", a line saying why) for the pieces the Gram path fits (cut along their
-    long side), by the α-β cost of each path's bucketed collectives: Gram, 1 + 5 all-reduces of
-    every piece's Σx² and r×r Gram (ring: 2(t−1)/t of the bytes); gather, one all-gather of the
-    matrices ((t−1)/t), its α paid anyway when other pieces gather. A tie goes to Gram, which also
-    splits the large products t ways."""
-    alpha, bw = LINKS["nccl" if cuda else "gloo"]
-    alpha, bw = (alpha_us or alpha) * 1e-6, (gbps or bw) * 1e9
-    flat = [pc for pcs in pieces.values() for pc in pcs]
-    fits = [pc for pc in flat if pc.mode == "gram"]
-    if not fits:
-        return "gather", ""
-    t, size = fits[0].t, 2 if cuda else 4   # (bf16 on a GPU, fp32 on a CPU: ns_dtype)
-    gram_bytes = sum(STEPS * min(pc.full) ** 2 + 1 for pc in fits) * size * 2 * (t - 1) / t
-    gather_bytes = sum(pc.full[0] * pc.full[1] for pc in fits) * size * (t - 1) / t
-    others = any(pc.mode == "gather" for pc in flat)
-    gram = (1 + STEPS) * alpha + gram_bytes / bw
-    gather = (0 if others else alpha) + gather_bytes / bw
-    mode = "gram" if gram <= gather else "gather"
-    return mode, (f"muon: {mode} for the {len(fits)} pieces cut along their long side (α-β cost "
-                  f"a step: gram {gram * 1e3:.3f} ms, gather {gather * 1e3:.3f} ms at "
-                  f"α {alpha * 1e6:g} µs, {bw / 1e9:g} GB/s; --muon_mode to choose)")
+def ns_flops(m, n, t=1):
+    """The FLOPs of newton_schulz on an (m, n) matrix, its long side cut t ways (a rank's share on
+    the Gram path): five steps of X·Xᵀ, G·G and (b·G + c·G²)·X."""
+    m, n = min(m, n), max(m, n)
+    return STEPS * (4 * m * m * n / t + 2 * m ** 3)
+
+
+def step_cost(pieces, alpha, bw, rate, size):
+    """Seconds of one Muon step's TP work on the busiest rank, the pieces cut for one path: α a
+    collective, the bytes a rank receives over the bandwidth (ring: an all-gather (t−1)/t of the
+    whole, an all-reduce 2(t−1)/t; an all-to-all (t−1)/t² of the whole), the Newton-Schulz FLOPs
+    at `rate` (the owner path: the busiest owner's, as parallel.owners assigns them)."""
+    cut = [pc for pc in pieces if pc.mode != "whole"]
+    t = cut[0].t
+    by = {mode: [pc for pc in cut if pc.mode == mode] for mode in ("gather", "gram", "owner")}
+    numel = [pc.full[0] * pc.full[1] for pc in by["owner"]]
+    calls = bool(by["gather"]) + (1 + STEPS) * bool(by["gram"]) + 2 * bool(by["owner"])
+    elems = (sum(pc.full[0] * pc.full[1] for pc in by["gather"]) * (t - 1) / t
+             + sum(STEPS * min(pc.full) ** 2 + 1 for pc in by["gram"]) * 2 * (t - 1) / t
+             + sum(numel) * 2 * (t - 1) / t ** 2)
+    load = [0.0] * t
+    for pc, k in zip(by["owner"], owners(numel, t)):
+        load[k] += ns_flops(*pc.full)
+    flops = (sum(ns_flops(*pc.full) for pc in by["gather"]) + max(load)
+             + sum(ns_flops(*pc.full, t) for pc in by["gram"]))
+    return calls * alpha + elems * size / bw + flops / rate
+
+
+def choose_mode(cut, cuda, alpha_us=0.0, gbps=0.0, tflops=0.0):
+    """("gram", "gather" or "owner", a line saying why): the path of least step_cost for the
+    TP-cut matrices, `cut(mode)` giving every matrix's Pieces for a path (where the Gram path fits
+    no piece it is the gather); a tie goes to the earlier of gram, gather, owner. With no piece
+    cut over TP, ("gather", "")."""
+    alpha, bw, rate = LINKS["nccl" if cuda else "gloo"]
+    alpha, bw, rate = (alpha_us or alpha) * 1e-6, (gbps or bw) * 1e9, (tflops or rate) * 1e12
+    costs = {}
+    for mode in ("gram", "gather", "owner"):
+        pieces = [pc for pcs in cut(mode).values() for pc in pcs]
+        if all(pc.mode == "whole" for pc in pieces):
+            return "gather", ""
+        if mode != "gram" or any(pc.mode == "gram" for pc in pieces):
+            costs[mode] = step_cost(pieces, alpha, bw, rate, 2 if cuda else 4)
+    mode = min(costs, key=costs.get)
+    return mode, (f"muon: {mode} over TP (modelled ms a step: " +
+                  ", ".join(f"{m} {c * 1e3:.3f}" for m, c in costs.items()) +
+                  f"; α {alpha * 1e6:g} µs, {bw / 1e9:g} GB/s, {rate / 1e12:g} TFLOP/s; "
+                  "--muon_mode to choose)")
 
 
 def collectives(optimizer):

@@ -73,11 +73,12 @@ class TrainConfig:
     optimizer: str = "adamw"
     muon_lr: float = 0.02          # Muon's peak learning rate (the schedule scales it alike)
     muon_momentum: float = 0.95    # Muon's Nesterov momentum
-    # Muon over TP: auto (the α-β cheaper of gram, gather) | gram (r×r all-reduces) | gather (the
-    # matrices) | owner (each matrix whole on one rank: two all-to-alls)
+    # Muon over TP: auto (the cheapest of gram, gather, owner by muon.step_cost) | gram (r×r
+    # all-reduces) | gather (the matrices) | owner (each matrix whole on one rank: two all-to-alls)
     muon_mode: str = "auto"
     muon_alpha_us: float = 0.0     # a collective's latency for auto; 0: gloo 50, NCCL 10
     muon_gbps: float = 0.0         # its bandwidth, GB/s, for auto; 0: gloo 1, NCCL 100
+    muon_tflops: float = 0.0       # Newton-Schulz's rate for auto; 0: gloo (CPU) 0.05, NCCL 100
     # --- parallelism (under torchrun: world size = dp × pp × tp, TP peers are adjacent ranks)
     tp: int = 1                    # tensor-parallel degree
     dp: int = 0                    # data-parallel degree; 0: world size / (tp · pp)
@@ -322,7 +323,8 @@ def check_values(tc):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "beta1",
-                 "beta2", "muon_lr", "muon_momentum", "muon_alpha_us", "muon_gbps"):
+                 "beta2", "muon_lr", "muon_momentum", "muon_alpha_us", "muon_gbps",
+                 "muon_tflops"):
         if not math.isfinite(getattr(tc, name)):
             raise ValueError(f"{name}={getattr(tc, name)} must be a finite number")
     if tc.seed >= 2 ** 63:   # (torch.manual_seed takes a signed 64-bit integer)
@@ -330,7 +332,7 @@ def check_values(tc):
     if tc.learning_rate <= 0:
         raise ValueError(f"learning_rate={tc.learning_rate} must be positive")
     for name in ("min_lr", "weight_decay", "grad_clip", "peak_tflops", "muon_alpha_us",
-                 "muon_gbps"):
+                 "muon_gbps", "muon_tflops"):
         if getattr(tc, name) < 0:
             raise ValueError(f"{name}={getattr(tc, name)} must not be negative")
     if tc.min_lr > tc.learning_rate:

@@ -88,7 +88,8 @@ def _worker(tp_rank, world, meshes):
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 and shard == "none" else tp_model
             opt_ref, opt = muon.configure(ref, tc_of()), muon.configure(tp_model, tc_of(), prefer)
             modes = {pc.mode for g in opt.param_groups if g.get("muon") for pcs in g["pieces"].values() for pc in pcs}
-            assert modes == {"whole" if tp == 1 else prefer if prefer in ("gram", "owner") else "gather"}, \
+            mode = prefer or (opt.said.split()[1] if opt.said else "gather")   # (auto: its choice)
+            assert modes == {"whole" if tp == 1 else mode if mode in ("gram", "owner") else "gather"}, \
                 (where, modes)
             for step in range(3):
                 idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
@@ -108,7 +109,7 @@ def _worker(tp_rank, world, meshes):
                 # buckets: a handful of collectives a step, however many matrices (closed form)
                 calls = parallel.LEDGER.total(phase="optim", unit="calls")
                 assert calls == muon.collectives(opt) <= 1 + 1 + 1 + muon.STEPS, (where, calls)
-                layer = muon.per_layer_traffic(layout, ref.cfg, tp, prefer)   # (the closed form)
+                layer = muon.per_layer_traffic(layout, ref.cfg, tp, mode)   # (the closed form)
                 mine = torch.tensor(muon.traffic(opt))   # (owner: what a rank sends depends on what it owns)
                 dist.all_reduce(mine, group=mesh.get_group("tp"))
                 assert mine == tp * ref.cfg.n_layer * layer and (layer > 0) == (tp > 1), where
@@ -177,18 +178,36 @@ def test_traffic_formula_counts_gram_and_gather():
     assert muon.traffic(opt) == 3 * 8 * 32
 
 
-def test_auto_mode_takes_the_cheaper_path_by_its_alpha_beta_cost():
-    """choose_mode: few small pieces on gloo's link gather (one collective against six); wide
-    pieces (r = 8 of a 4096-wide matrix) on a link with no latency take the r×r Gram path; the
-    line says both costs; a layout that cuts no piece along its long side gathers, silently."""
-    def pieces(r, n, k):
-        return {"A": [muon.Piece(i * r, r, (k * r, n // 2), 1, 2, prefer="gram") for i in range(k)]}
-    mode, said = muon.choose_mode(pieces(8, 32, 3), cuda=False)
-    assert mode == "gather" and "gram 0.3" in said and "α 50 µs, 1 GB/s" in said, said
-    mode, said = muon.choose_mode(pieces(8, 4096, 3), cuda=False, alpha_us=1e-3)
-    assert mode == "gram" and said.startswith("muon: gram for the 3 pieces"), said
-    tall = {"B": [muon.Piece(0, 8, (8, 32), 0, 2, prefer="gram")]}   # (cut along its short side)
-    assert muon.choose_mode(tall, cuda=False) == ("gather", "")
+def test_step_cost_is_its_closed_form():
+    """step_cost of three (8, 32) matrices cut along their long side at tp=2 (fp32, α 1 s, 1 byte/s,
+    1 FLOP/s): a collective, the bytes a rank receives, the Newton-Schulz FLOPs of the busiest rank
+    (5 × (4·8²·32 + 2·8³) = 46,080 a whole matrix; the owner path's ranks own two and one)."""
+    def cost(mode):
+        pieces = [muon.Piece(i * 8, 8, (24, 16), 1, 2, prefer=mode) for i in range(3)]
+        return muon.step_cost(pieces, 1.0, 1.0, 1.0, 4)
+    assert muon.ns_flops(8, 32) == muon.ns_flops(32, 8) == 46_080
+    assert cost("gather") == 1 + 3 * 256 / 2 * 4 + 3 * 46_080
+    assert cost("gram") == 6 + 3 * (5 * 64 + 1) * 4 + 3 * 5 * (4 * 64 * 16 + 2 * 512)
+    assert cost("owner") == 2 + 3 * 256 * 2 / 4 * 4 + 2 * 46_080
+
+
+def test_auto_mode_takes_the_path_of_least_modelled_cost():
+    """choose_mode: small pieces on gloo's link gather (one collective against two or six); wide
+    pieces (r = 8 of a 4096-wide matrix) on a link with no latency take the r×r Gram path; pieces
+    cut along their short side (the Gram path gathers them) go to their owners where the
+    products are slow; the line gives every path's cost; nothing cut over TP gathers, silently."""
+    def cut(r, n, k, dim=1):
+        return lambda mode: {"A": [muon.Piece(i * r, r, (k * r, n // 2), dim, 2, prefer=mode)
+                                   for i in range(k)]}
+    mode, said = muon.choose_mode(cut(8, 32, 3), cuda=False)
+    assert mode == "gather" and "gram 0.3" in said and "α 50 µs, 1 GB/s, 0.05 TFLOP/s" in said, said
+    mode, said = muon.choose_mode(cut(8, 4096, 3), cuda=False, alpha_us=1e-3)
+    assert mode == "gram" and said.startswith("muon: gram over TP"), said
+    assert muon.choose_mode(cut(8, 32, 4, dim=0), cuda=True)[0] == "gather"
+    mode, said = muon.choose_mode(cut(8, 32, 4, dim=0), cuda=True, tflops=1e-9)
+    assert mode == "owner" and "gather" in said and "owner" in said, said
+    whole = lambda mode: {"A": [muon.Piece(0, 8, (8, 32), None, 2, prefer=mode)]}
+    assert muon.choose_mode(whole, cuda=False) == ("gather", "")
 
 
 def saved(path):

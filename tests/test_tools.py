@@ -3,6 +3,7 @@ collectives are layouts.per_layer_traffic's, and every bench of tools/bench.py r
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,9 @@ def test_bench_runs_end_to_end(tmp_path):
     import bench_optim   # (its train.py runs: bench_common.train_run, as dp_shard's)
     alone = bench_optim.step_alone(tiny[:-2], 1)
     assert set(alone) == set(bench_optim.CASES) and all(v > 0 for v in alone.values())
+    at_tp2 = bench_optim.tp_step(tiny[:-2], 1)   # (each path at tp=2, and auto's modelled choice)
+    assert all(at_tp2[m] > 0 for m in bench_optim.TP_MODES), at_tp2
+    assert re.match(r"muon: (gram|gather|owner) over TP \(modelled ms a step: gram ", at_tp2["auto"])
     assert not list(tmp_path.glob("*.json"))  # nothing in the current directory
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "-h"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "bench.py layouts" in res.stdout

@@ -8,7 +8,8 @@ left out). The optimizer step alone: one process, each model's parameters given 
 the four optimizers' steps interleaved, `--iters` each, the median, with train.py's non-finite flag
 set (found_inf = 0: Muon then masks each gradient and scales by a tensor, as in training); then
 CoLA's Muon step alone at tp=2 under BTP by each path over TP (gram, gather, owner), two
-processes, the paths interleaved, the median of `--iters` steps. Extra
+processes, the paths interleaved, the median of `--iters` steps, beside the path `--muon_mode=auto`
+takes and the costs it modelled (muon.step_cost). Extra
 `--key=value` arguments set the model and batch as in train.py (the default run's shape without
 them; `--n_embd=512 --n_head=8` for docs/muon.md's larger one).
 """
@@ -81,8 +82,10 @@ def _tp_worker(rank, world, store, extra, iters, result):
             dist.barrier()
             if i >= 2:
                 times[mode].append((time.perf_counter() - start) * 1e3)
-    if rank == 0:
-        Path(result).write_text(json.dumps({m: statistics.median(t) for m, t in times.items()}))
+    if rank == 0:   # (and what auto would take, by muon.step_cost)
+        said = muon.configure(model, tc).said
+        Path(result).write_text(json.dumps({**{m: statistics.median(t) for m, t in times.items()},
+                                            "auto": said}))
     placement.exit_worker(world)
 
 
@@ -126,7 +129,8 @@ def bench(iters, extra, rounds):
                                          "collectives before buckets", "after"], counted) +
             "\n\nCoLA's Muon step alone at tp=2 under BTP, by the path over TP (two processes, "
             "one thread each, interleaved, median ms):\n\n" +
-            table(["path", "ms"], [[m, f"{at_tp2[m]:.1f}"] for m in TP_MODES])), out
+            table(["path", "ms"], [[m, f"{at_tp2[m]:.1f}"] for m in TP_MODES]) +
+            f"\n\nauto's choice (modelled): {at_tp2['auto']}"), out
 
 
 def unbucketed(optimizer):
