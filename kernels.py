@@ -18,17 +18,16 @@ gradients (dA, dB), which reduce over every token, are cuBLAS's on both paths.
 - rms_norm: plain RMSNorm over the last dim (replicated-stream layouts, the final norm).
 
 The file reads in that order: the PyTorch references (the math, and the specification the kernels
-are tested against), the dispatch, then the choosing of --kernels=auto (timing per op and shape,
-agreed across ranks). The ops as torch.compile sees them (custom ops, each direction one, with
-their autograd) are kernel_ops.py; the Triton kernels themselves, their tile configurations per
-GPU and their launches are triton_kernels.py; on a machine without CUDA they run in Triton's
-interpreter.
+are tested against), the dispatch, then which implementation runs (--kernels; under auto the choice
+is plumbing/kernel_choice.py's, which times each op and shape and agrees across ranks). The ops as
+torch.compile sees them (custom ops, each direction one, with their autograd) are kernel_ops.py; the
+Triton kernels themselves, their tile configurations per GPU and their launches are
+triton_kernels.py; on a machine without CUDA they run in Triton's interpreter.
 """
 import contextlib
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
@@ -40,10 +39,12 @@ except ImportError:  # a laptop without Triton: the reference path still works
 from kernel_ops import grouped_up_dz_op, grouped_up_op, norm_down_op, rms_norm_op
 
 BACKENDS = ("auto", "triton", "torch")
-_backend = "torch"
-_choices = {}   # (op, shape key) -> "triton" | "torch", measured once per run under auto
-_agree = []  # the process groups over which auto's times are averaged before choosing (agree_over)
 IMPLS = ("triton", "torch")
+_backend = "torch"
+_choices = {}   # (op, shape key) -> (forward, backward) of IMPLS, decided once per run under auto
+# under auto, what decides an (op, shape) met the first time: measure(op, shape key, fn, args) ->
+# (forward, backward); plumbing/kernel_choice.py's timing, installed by its select()
+measure = None
 
 # ------------------------------------------------------------------------- PyTorch references
 
@@ -128,12 +129,12 @@ def rms_norm(x, gamma, eps):
     return rms_norm_op(x.reshape(-1, x.shape[-1]), gamma, eps, *ways)[0].view(x.shape)
 
 
-# ------------------------------------------------------------------------- choosing: --kernels=auto
-# (which implementation each op runs; under auto, timed per op and shape, agreed across ranks)
+# ---------------------------------------------------------------------- which one runs: --kernels
+# (under auto, decided per op and shape by `measure`: plumbing/kernel_choice.py)
 
 def select(mode, device):
     """Choose the implementation: triton or torch everywhere; auto = on CUDA, per op and shape, the
-    faster of the two as measured the first time the shape comes (`_which`); elsewhere the
+    faster of the two as `measure` finds the first time the shape comes (`_which`); elsewhere the
     reference."""
     global _backend
     if mode not in BACKENDS:
@@ -184,20 +185,8 @@ def reference():
 
 
 def chosen():
-    """What --kernels=auto chose so far: {(op, shape key): "triton" | "torch"}."""
+    """What --kernels=auto chose so far: {(op, shape key): (forward, backward) of IMPLS}."""
     return dict(_choices)
-
-
-
-
-def agree_over(*groups):
-    """Under torchrun, the groups whose ranks run the same shapes at the same moments (a pipeline
-    stage's TP and DP groups): auto averages each shape's times over them, so every rank chooses
-    alike. Ranks choosing alone could run replicated work (the final norm, vanilla's and megatron's
-    norms) through different implementations: the copies of a replicated weight would round
-    differently and drift apart, and the gradient norm, hence clipping, would differ between
-    ranks."""
-    _agree[:] = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
 
 
 def _rows(t):
@@ -208,58 +197,17 @@ def _rows(t):
 
 def _which(op, shape_key, fn, args):
     """(forward, backward): the implementations of `op` for this shape: the forced one both ways,
-    or under auto the faster of the two in each direction for fn(*args), timed once (3 runs each
-    after a warm-up), logged once: a fused forward that wins is kept when its backward loses.
-    shape_key() names the shape; it is called only under auto, off the reference's hot path."""
+    or under auto what `measure` decided the first time the shape came (it is called once per op
+    and shape, never while torch.compile traces). shape_key() names the shape; it is called only
+    under auto, off the reference's hot path."""
     if _backend != "auto":
         return _backend, _backend
     key = shape_key()
     if (op, key) not in _choices:
         if torch.compiler.is_compiling():
             return "torch", "torch"   # (timed in the eager warm-up steps, not while tracing)
-        t = _averaged({name: _time(fn, args, name) for name in IMPLS}, args[0].device)
-        _choices[(op, key)] = tuple(min(IMPLS, key=lambda n: t[n][i]) for i in (0, 1))
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"kernels: {op} ({key}) " + "; ".join(
-                f"{way} triton {t['triton'][i]:.3f} ms vs torch {t['torch'][i]:.3f} ms: "
-                f"{_choices[(op, key)][i]}" for i, way in enumerate(("forward", "backward"))))
+        if measure is None:
+            raise RuntimeError("kernels: auto without a measure: select it with "
+                               "plumbing.kernel_choice.select")
+        _choices[(op, key)] = measure(op, key, fn, args)
     return _choices[(op, key)]
-
-
-
-
-def _averaged(times, device):
-    """{name: (forward ms, backward ms)} averaged over the ranks of the agree_over groups (every
-    rank the same result)."""
-    if not _agree:
-        return times
-    t = torch.tensor([times[n] for n in IMPLS], dtype=torch.float64, device=device)   # (2, 2)
-    for group in _agree:   # TP, then DP: the mean over the stage's whole (dp, tp) slab
-        dist.all_reduce(t, group=group)
-        t /= dist.get_world_size(group)
-    return dict(zip(IMPLS, map(tuple, t.tolist())))
-
-
-def _time(fn, args, name, runs=3):
-    """(forward ms, backward ms) of fn under implementation `name`, on copies of args: with grad on
-    (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
-    activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
-    import time
-    plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    with using(name), torch.enable_grad(), plain:
-        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a)
-                  else a for a in args]
-        sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)
-        total = [0.0, 0.0]
-        for i in range(runs + 1):
-            sync()
-            t0 = time.perf_counter()
-            outs = [o for o in fn(*leaves) if o.requires_grad]
-            sync()
-            t1 = time.perf_counter()
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-            sync()
-            if i:   # (the first run warms up)
-                total[0] += (t1 - t0) * 1000 / runs
-                total[1] += (time.perf_counter() - t1) * 1000 / runs
-        return tuple(total)

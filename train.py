@@ -30,7 +30,7 @@ from plumbing import preparation
 import sharding
 from model import estimate_mfu
 from parallel import LEDGER
-from plumbing import data, options, placement, rundir, train_state
+from plumbing import data, kernel_choice, options, placement, rundir, train_state
 from plumbing.plan import resolve
 from plumbing.tokenizer import identity as tokenizer_identity, sample_at_end
 
@@ -53,7 +53,7 @@ def main(argv):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         plan, resume = resolve(argv, world, print if master else (lambda *a: None))
         tc = plan.tc
-        kernels.select(tc.kernels, plan.device)
+        kernel_choice.select(tc.kernels, plan.device)   # (auto: timed per op and shape)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
             from plumbing import explain
             return explain.main(plan, placement.place_processes(plan))

@@ -7,6 +7,7 @@ interchange); none of the story imports this package. Here:
   options      train.py's options and their checks
   plan         a run's Plan, resolved once before any work (dp, layout, device, dtype, resume)
   placement    the process group and (dp, pp, tp) mesh, and the build step: this rank's model
+  kernel_choice  --kernels=auto: each op and shape timed both ways, agreed across ranks
   rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
   train_state  training-state checkpoints (DCP): save, verify, choose, resume
   integrity    checksums, and reading files from elsewhere as data (never code)

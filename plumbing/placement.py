@@ -22,6 +22,7 @@ import parallel
 import pipeline
 import sharding
 from model import Llama
+from plumbing import kernel_choice
 
 
 @dataclass
@@ -96,7 +97,7 @@ def place_processes(plan):
     mesh = init_mesh(dp, tc.tp, device.split(":")[0], tc.timeout_s, tc.pp)
     tp = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tc.tp, tc.overlap)
     # a stage's ranks choose kernels alike
-    kernels.agree_over(mesh.get_group("tp"), mesh.get_group("dp"))
+    kernel_choice.agree_over(mesh.get_group("tp"), mesh.get_group("dp"))
     # CPU-side agreements (interrupts) that must not wait for the GPU
     host = dist.new_group(backend="gloo")
     return Placement(world, dp, device, mesh, tp, mesh.get_local_rank("dp"),

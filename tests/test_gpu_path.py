@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import kernels   # first: it imports triton_kernels, which sets TRITON_INTERPRET=1 without CUDA
+from plumbing import kernel_choice
 import train
 import triton
 import triton.language as tl
@@ -21,9 +22,9 @@ from conftest import TINY, expect_error, spawn
 def _choose(tp_rank, world, out):
     """Each rank times one shape with forced times that favour triton on rank 0, torch on rank 1."""
     forced = {0: {"triton": (1.0, 1.0), "torch": (2.0, 2.0)}, 1: {"triton": (4.0, 4.0), "torch": (1.0, 1.0)}}[tp_rank]
-    kernels._time = lambda fn, args, name: forced[name]   # (forward ms, backward ms)
-    kernels.select("torch", "cpu")
-    kernels.agree_over(dist.group.WORLD if out == "agreed" else None)
+    kernel_choice._time = lambda fn, args, name: forced[name]   # (forward ms, backward ms)
+    kernel_choice.select("torch", "cpu")
+    kernel_choice.agree_over(dist.group.WORLD if out == "agreed" else None)
     with kernels.using("auto"):
         mine = kernels._which("rms_norm", lambda: "≤16x32", None, (torch.zeros(16, 32),))
     everyone = [None] * world
@@ -96,7 +97,7 @@ def test_compile_with_auto_times_every_shape_in_an_eager_step_first(tmp_path, da
     reference chosen: a CPU has no CUDA for auto, and compiling takes minutes)."""
     at_compile = {}
     monkeypatch.setattr(kernels, "select", lambda mode, device: setattr(kernels, "_backend", "auto"))
-    monkeypatch.setattr(kernels, "_time", lambda fn, args, name: {"triton": (2.0, 2.0), "torch": (1.0, 1.0)}[name])
+    monkeypatch.setattr(kernel_choice, "_time", lambda fn, args, name: {"triton": (2.0, 2.0), "torch": (1.0, 1.0)}[name])
     monkeypatch.setattr(torch, "compile", lambda model: (at_compile.setdefault("chosen", kernels.chosen()), model)[1])
     kernels._choices.clear()
     try:

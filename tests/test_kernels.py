@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernels
+from plumbing import kernel_choice
 from conftest import ROOT, TINY, losses, torchrun
 from gpu_check_kernels import outputs_and_grads   # (tools/: the GPU check compares through it too)
 
@@ -95,7 +96,7 @@ def test_auto_times_each_op_once_and_keeps_the_faster(capsys):
     g = torch.Generator().manual_seed(5)
     x, gamma, A = torch.randn(2, 8, 32, generator=g), 1 + torch.rand(32, generator=g), torch.randn(24, 32, generator=g)
     z, Bs = torch.randn(2, 8, 16, generator=g), [torch.randn(n, 8, generator=g) for n in (12, 6)]
-    kernels.select("torch", "cpu")   # (forgets earlier choices)
+    kernel_choice.select("torch", "cpu")   # (forgets earlier choices)
     with kernels.using("auto"):
         for _ in range(2):
             H, S = kernels.norm_down(x, gamma, A)
@@ -110,7 +111,7 @@ def test_auto_times_each_op_once_and_keeps_the_faster(capsys):
     torch.testing.assert_close(H, kernels.norm_down_ref(x, gamma, A)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ys, kernels.grouped_up_ref(z, Bs), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y, kernels.rms_norm_ref(x, gamma, 1e-5), rtol=1e-4, atol=1e-4)
-    kernels.select("torch", "cpu")
+    kernel_choice.select("torch", "cpu")
 
 
 @pytest.mark.parametrize("ways", [("triton", "torch"), ("torch", "triton")])
@@ -119,7 +120,7 @@ def test_auto_chooses_each_direction_apart(monkeypatch, ways):
     each op then runs one direction through Triton and the other through the reference, with the
     reference's outputs and input gradients (fp32, and bf16 inputs against fp32)."""
     fast = {ways[0]: (1.0, 9.0), ways[1]: (9.0, 1.0)}   # (forward ms, backward ms)
-    monkeypatch.setattr(kernels, "_time", lambda fn, args, name: fast[name])
+    monkeypatch.setattr(kernel_choice, "_time", lambda fn, args, name: fast[name])
     cases = [("norm_down", [(37, 50), (50,), (29, 50)]), ("grouped_up", [(37, 24), (12, 8), (20, 8), (7, 8)]),
              ("rms_norm", [(37, 50), (50,)])]
     for dtype in (torch.float32, torch.bfloat16):
@@ -132,13 +133,13 @@ def test_auto_chooses_each_direction_apart(monkeypatch, ways):
             fn = {"norm_down": lambda x, gm, A: list(kernels.norm_down(x, gm, A)),
                   "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
                   "rms_norm": lambda x, gm: [kernels.rms_norm(x, gm, 1e-5)]}[op]
-            kernels.select("torch", "cpu")
+            kernel_choice.select("torch", "cpu")
             mixed = outputs_and_grads(fn, inputs, up, "auto")
             assert list(kernels.chosen().values()) == [ways], kernels.chosen()
             ref = ref_in_fp32(fn, inputs, up)
             for got, want in zip(mixed[0] + mixed[1], ref[0] + ref[1]):
                 torch.testing.assert_close(got, want, **KERNEL_TOL[dtype])
-    kernels.select("torch", "cpu")
+    kernel_choice.select("torch", "cpu")
 
 
 def test_bench_gpu_shapes_and_plumbing_on_cpu(tmp_path):
@@ -206,11 +207,11 @@ def test_auto_timing_inside_a_recompute_segment(capsys, recompute):
     for mode in ("torch", "auto"):
         torch.manual_seed(0)
         model = group_of_one(Llama(cfg), recompute)
-        kernels.select("torch", "cpu")   # (forgets earlier choices: every shape is new to auto)
+        kernel_choice.select("torch", "cpu")   # (forgets earlier choices: every shape is new to auto)
         with kernels.using(mode):
             model(idx, idx)[1].backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
-    kernels.select("torch", "cpu")
+    kernel_choice.select("torch", "cpu")
     assert "kernels: norm_down" in capsys.readouterr().out   # auto did time inside the segments
     for name, g in grads["torch"].items():
         torch.testing.assert_close(grads["auto"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -239,8 +239,8 @@ def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None, dea
     measured, so that a run stopped by a timeout keeps its rows; returns (markdown, results).
     With a deadline (time.time()'s), each row starts only where it fits (ROW_S); gpu_check puts
     the step table first (steps_first) and compiles CoLA's step alone."""
-    import kernels
-    kernels.select("auto", device)
+    from plumbing import kernel_choice
+    kernel_choice.select("auto", device)
     out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
            else str(device),
            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": [],

@@ -90,13 +90,13 @@ def sample_ms(args):
     import torch
     import kernels
     from plumbing.tokenizer import sample_text
-    from plumbing import options, placement, plan
+    from plumbing import kernel_choice, options, placement, plan
     from plumbing.tokenizer import load as load_tokenizer
     cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2",
                                   "--kernels=auto"])
     cfg.vocab_size = options.vocab_size("bytes")
     dev = "cpu" if args.cpu else "cuda"
-    kernels.select("auto", dev)
+    kernel_choice.select("auto", dev)
     net = placement.build_model(plan.make(cfg, tc, 1), placement.Placement(1, 1, dev))[0]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else \
         torch.autocast("cpu", enabled=False)
