@@ -17,7 +17,6 @@ through torch.distributed.pipelining, 2 micro-batches).
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 # the core files live at the repository root
@@ -120,22 +119,14 @@ def _probe_worker(rank, world, store, tokens, width, result):
 
 
 def probe(tokens, width):
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_probe_worker,
-                           args=(2, f"{tmp}/store", tokens, width, f"{tmp}/out.json"), nprocs=2,
-                           start_method="spawn")
-        return json.loads(Path(f"{tmp}/out.json").read_text())
+    from bench_common import spawned
+    return spawned(_probe_worker, 2, tokens, width)
 
 
 def measure(pp, tp, cfg, batch, iters):
     """{(layout, mode): median ms/step} for one (pp, tp)."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(pp * tp, f"{tmp}/store", pp, cfg.shape(), batch, iters,
-                                          f"{tmp}/out.json"),
-                           nprocs=pp * tp, start_method="spawn")
-        out = json.loads(Path(f"{tmp}/out.json").read_text())
+    from bench_common import spawned
+    out = spawned(_worker, pp * tp, pp, cfg.shape(), batch, iters)
     return {tuple(k.split("|")): v if "in collectives" in k else statistics.median(v)
             for k, v in out.items()}
 

@@ -16,7 +16,6 @@ boost_1b and boost_7b whole (what every rank did before) and rank 0's part at tp
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files: the root
@@ -69,20 +68,15 @@ def _worker(rank, world, store, args, way, result):
 
 def measure(rounds):
     """{case: {way: {"s", "peak_gb"}}}: medians of `rounds`, the ways interleaved."""
-    import torch.multiprocessing as mp
+    from bench_common import spawned
     runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(rounds):
-            for case, (world, args) in CASES.items():
-                for way in ("whole", "meta"):
-                    out = f"{tmp}/{round_}-{world}-{way}.json"
-                    mp.start_processes(_worker, args=(world, f"{tmp}/store-{round_}-{world}-{way}",
-                                                      args, way, out),
-                                       nprocs=world, start_method="spawn")
-                    r = json.loads(Path(out).read_text())
-                    runs.setdefault(case, {}).setdefault(way, []).append(r)
-                    print(f"  round {round_ + 1}: {case} {way}: {r['s']:.1f} s, "
-                          f"{r['peak_gb']:.2f} GB", flush=True)
+    for round_ in range(rounds):
+        for case, (world, args) in CASES.items():
+            for way in ("whole", "meta"):
+                r = spawned(_worker, world, args, way)
+                runs.setdefault(case, {}).setdefault(way, []).append(r)
+                print(f"  round {round_ + 1}: {case} {way}: {r['s']:.1f} s, "
+                      f"{r['peak_gb']:.2f} GB", flush=True)
     return {case: {way: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                    for way, rs in ways.items()} for case, ways in runs.items()}
 
