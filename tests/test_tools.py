@@ -229,9 +229,10 @@ def test_quality_bench_end_to_end_at_a_toy_size(tmp_path):
         assert row["dense_eq_tflops"][0] > 0 and row["dense_eq_tflops"][1] == 0.0
 
 
-def test_quality_bench_tiers_and_bad_input(capsys):
-    """The GPU tier: CoLA-60M's shape, both runs; it needs a corpus and says so, as does a bad
-    option of train.py's, before any training (exit status 2, one line)."""
+def test_quality_bench_tiers_and_bad_input(capsys, tmp_path):
+    """The GPU tier: CoLA-60M's shape, both runs, or the shape a config file names (the 130M's); it
+    needs a corpus and says so, as does a bad option of train.py's, before any training (exit
+    status 2, one line)."""
     import bench_quality as q
     from bench_common import shape_args
     from plumbing import options
@@ -240,6 +241,12 @@ def test_quality_bench_tiers_and_bad_input(capsys):
         assert (cfg.arch, cfg.n_embd, cfg.n_layer, cfg.mlp_width) == (name.replace("dense", "full"),
                                                                      512, 8, 1376)
         assert tc.batch_size * cfg.block_size == 16384 and tc.tp == 1
+    (tmp_path / "corpus.txt").write_text("some text")
+    parsed = q.plan(["--tier=gpu", str(ROOT / "configs" / "cola_130m.toml"),
+                     f"--dataset={tmp_path / 'corpus.txt'}"], None, None)[-1]
+    assert {name: (cfg.arch, cfg.n_embd, cfg.n_layer, tc.batch_size * cfg.block_size)
+            for name, (cfg, tc) in parsed.items()} == {"dense": ("full", 768, 12, 16384),
+                                                       "cola": ("cola", 768, 12, 16384)}
     for bad in (["--tier=gpu"], ["--tier=tpu"], ["--seeds=0"], ["--dataset=/nowhere"]):
         with pytest.raises(SystemExit) as e:
             q.bench(bad, log=lambda *a: None)

@@ -9,14 +9,15 @@ seed, since a seed also draws its evaluation batches (the mean target is reporte
 for every seed (`--target=1.70`). Validation is evaluated every `eval_every` steps on a fixed
 held-out budget; the crossing is placed by linear interpolation between the two evaluations
 around it.
-Per run: steps, tokens, model FLOPs and wall time to the target, each a mean and a 95% interval
-over seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured
-(the sum of train.py's synchronised step times up to the crossing, evaluation left out) and as
-steps × the run's median step time, so that the machine's noise shows. And the effective
-throughput: tokens/s × the first run's FLOPs per token (the dense work the run stands for). A
-figure: val loss against wall time and against FLOPs, each run's seeds as a band around their
-mean, the target as a line, the crossings marked (`--figure=PATH`, default
-bench-results/quality.png). `--tier=gpu`: CoLA-60M's shape on one GPU; `--sweep`: the recipes.
+Per run: steps, tokens, model FLOPs and wall time to the target, each a mean and a 95% interval over
+seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured (the sum
+of train.py's synchronised step times up to the crossing, evaluation left out) and as steps × the
+run's median step time, so that the machine's noise shows. And the effective throughput: tokens/s ×
+the first run's FLOPs per token (the dense work the run stands for). A figure: val loss against wall
+time and against FLOPs, each run's seeds as a band around their mean, the target as a line, the
+crossings marked (`--figure=PATH`, default bench-results/quality.png). `--tier=gpu`: CoLA-60M's
+shape on one GPU (a config file among the options names another: the 130M's,
+configs/cola_130m.toml); `--sweep`: the recipes.
 """
 import math
 import os
@@ -27,15 +28,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files: the root
 
-# the CPU tier (the default): d=256, 4 layers, block 128, batch 16, at tp=2
-SHAPE = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--block_size=128", "--batch_size=16",
+# the CPU tier (the default): d=256, 4 layers, block 128, batch 8, at tp=2; the dense model trains
+# STEPS steps (its val loss there is the target): three seeds of both runs in under 15 minutes here
+SHAPE = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--block_size=128", "--batch_size=8",
          "--warmup_iters=30", "--eval_iters=4", "--tp=2"]
-EVAL_EVERY = 50
+STEPS = 500
+EVAL_EVERY = 25
 # the GPU tier (--tier=gpu; one GPU: tp=1): CoLA-60M's shape (configs/cola_60m.toml), sequence 256,
 # 64 sequences a step (16K tokens), the dense model at lr 1e-3 for 2000 steps (33M tokens) against
 # CoLA at BOOST's 60M lr 4e-3; it needs a corpus of that size (--dataset=..., docs/corpora.md)
-SHAPE_GPU = ["configs/cola_60m.toml", "--block_size=256", "--batch_size=64",
-             "--warmup_iters=100", "--eval_iters=20", "--tp=1"]
+SHAPE_GPU = [str(Path(__file__).resolve().parents[1] / "configs" / "cola_60m.toml"),
+             "--block_size=256", "--batch_size=64", "--warmup_iters=100", "--eval_iters=20",
+             "--tp=1"]
 RUNS_GPU = {"dense": ["--arch=full", "--learning_rate=1e-3", "--min_lr=1e-4", "--max_iters=2000"],
             "cola": ["--arch=cola", "--learning_rate=4e-3", "--min_lr=4e-4",
                      "--lr_decay_iters=2000", "--max_iters=2500"]}
@@ -53,17 +57,20 @@ def recipe(arch, lr, decay, max_iters=None, rank=None):
 
 # the CPU tier's runs: each side's best recipe of the sweep below (docs/quality.md), CoLA's also
 # configs/cola_quality_cpu.toml
-RUNS = {"dense (megatron)": ["--layout=megatron", *recipe("full", "1e-3", 600)],
-        "cola (btp)": ["--layout=btp", *recipe("cola", "3e-3", 750)]}
+RUNS = {"dense (megatron)": ["--layout=megatron", *recipe("full", "1e-3", STEPS),
+                             "--warmup_iters=150"],
+        "cola (btp)": ["--layout=btp", *recipe("cola", "2e-3", 625), "--warmup_iters=150"]}
 
 # the recipe sweeps (`bench.py quality --sweep`), both sides alike: the dense model's first (its
-# best val loss at step 600 is the CoLA recipes' target), trained at tp=1: every layout is tested
+# best val loss at step STEPS is the CoLA recipes' target), trained at tp=1: every layout is tested
 # equal to one device, so the steps to a val loss do not depend on tp (the time per step does)
-SWEEP = {**{f"dense lr {lr}": recipe("full", lr, 600)
-            for lr in ("5e-4", "1e-3", "2e-3", "4e-3")},
-         **{f"cola lr {lr}": recipe("cola", lr, 900, 750) for lr in ("2e-3", "3e-3", "6e-3")},
-         "cola lr 3e-3, schedule 750": recipe("cola", "3e-3", 750),
-         "cola lr 3e-3, r 96": recipe("cola", "3e-3", 900, 750, rank=96)}
+SWEEP = {**{f"dense lr {lr}": recipe("full", lr, STEPS) for lr in ("5e-4", "1e-3", "2e-3")},
+         **{f"dense lr 1e-3, warmup {w}": [*recipe("full", "1e-3", STEPS), f"--warmup_iters={w}"]
+            for w in (60, 100, 150)},
+         **{f"cola lr {lr}": recipe("cola", lr, 625) for lr in ("1.5e-3", "2e-3", "3e-3")},
+         "cola lr 2e-3, schedule 550": recipe("cola", "2e-3", 550, 625),
+         **{f"cola lr 2e-3, warmup {w}": [*recipe("cola", "2e-3", 625), f"--warmup_iters={w}"]
+            for w in (60, 100, 150)}}
 
 
 def crossing(points, target):
@@ -208,6 +215,9 @@ def plan(extra, runs, shape):
     gpu = tier == "gpu"
     runs = {name: [*args, *given] for name, args in (runs or (RUNS_GPU if gpu else RUNS)).items()}
     shape = shape if shape is not None else SHAPE_GPU if gpu else SHAPE
+    files = [a for a in extra if a.endswith(".toml")]
+    if files:   # a config file names the shape (on the GPU tier: in place of CoLA-60M's)
+        shape = [*files, *(a for a in shape if not a.endswith(".toml"))]
     try:
         parsed = {name: options.parse_args(shape_args([*shape, *args], []))
                   for name, args in runs.items()}
@@ -272,9 +282,10 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
 def sweep(extra, log=print):
     """(markdown text, results) of the recipe sweep: each recipe of SWEEP whose name holds
     `--sweep=TEXT` (all for a bare --sweep) on `--seeds` seeds (default 1), at tp=1; per recipe its
-    val loss at step `--target_step` (default 600) and at its end, and its steps to the target: the
-    best dense recipe's val loss at that step, or `--target=X`. Each run's records are kept in
-    `--keep_runs=DIR` (default bench-results/sweep/) and reused: a stopped sweep goes on."""
+    val loss at step `--target_step` (default STEPS) and at its end, and its steps to the target:
+    on each seed the val loss there of the best dense recipe (by its mean), or `--target=X`. Each
+    run's records are kept in `--keep_runs=DIR` (default bench-results/sweep/) and reused: a
+    stopped sweep goes on."""
     opts = dict(a[2:].partition("=")[::2] for a in extra if a.startswith("--"))
     only, seeds = opts.get("sweep", ""), opts.get("seeds", "1")
     runs = {name: args for name, args in SWEEP.items() if only in name}
@@ -282,21 +293,24 @@ def sweep(extra, log=print):
         print(f"error: --sweep={only} names no recipe of {list(SWEEP)}, or --seeds={seeds} is "
               "not a whole number of at least 1", file=sys.stderr)
         sys.exit(2)
-    step = int(opts.get("target_step") or 600)
+    step = int(opts.get("target_step") or STEPS)
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
     keep = opts.get("keep_runs") or Path(__file__).resolve().parents[1] / "bench-results" / "sweep"
     with tempfile.TemporaryDirectory() as tmp:
         trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log, keep)
     at = {name: [dict(curve(rec)).get(step) for rec in recs] for name, recs in trained.items()}
-    dense = [statistics.fmean(v) for name, v in at.items() if name.startswith("dense")
-             and None not in v]
-    target = float(opts["target"]) if opts.get("target") else min(dense, default=None)
-    if target is None:
+    dense = {name: statistics.fmean(v) for name, v in at.items() if name.startswith("dense")
+             and None not in v}
+    # each seed against its own target (as the bench pairs them): the best dense recipe's val loss
+    # at `step` on that seed (best by the mean over seeds), or --target for every seed
+    best = min(dense, key=dense.get, default=None)
+    if not opts.get("target") and best is None:
         print("error: no dense recipe ran to the target step: pass --target=X", file=sys.stderr)
         sys.exit(2)
+    targets = [float(opts["target"])] * int(seeds) if opts.get("target") else at[best]
     rows, out = [], {}
     for name, recs in trained.items():
-        steps = [crossing(curve(rec), target) for rec in recs]
+        steps = [crossing(curve(rec), t) for rec, t in zip(recs, targets)]
         hit = [s for s in steps if s is not None]
         out[name] = {"at_step": at[name], "last": [curve(rec)[-1] for rec in recs],
                      "steps": steps}
@@ -304,9 +318,10 @@ def sweep(extra, log=print):
         rows.append([name, f"{statistics.fmean(v):.4f}" if v else "-",
                      " ".join(f"{curve(rec)[-1][1]:.4f} ({curve(rec)[-1][0]})" for rec in recs),
                      f"{len(hit)}/{len(recs)}", "%.0f ± %.0f" % interval(hit) if hit else "-"])
+    target = statistics.fmean(targets)
     from bench_common import table
-    text = (f"Recipe sweep at tp=1, {seeds} seed(s); target: val loss {target:.4f} (the best dense "
-            f"recipe's at step {step}, or --target)\n\n" +
+    text = (f"Recipe sweep at tp=1, {seeds} seed(s); target: each seed's val loss of the best "
+            f"dense recipe at step {step} (mean {target:.4f}), or --target\n\n" +
             table(["recipe", f"val at step {step}", "val at the end (step)", "seeds reaching it",
                    "steps to the target"], rows))
-    return text, {"target": target, "target_step": step, "recipes": out}
+    return text, {"target": target, "targets": targets, "target_step": step, "recipes": out}
