@@ -243,3 +243,14 @@ def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert [call for call, _ in seen] == ["up", "dz", "up", "dz"], seen
     assert all(ptrs == [B.data_ptr() for B in Bs] for _, ptrs in seen), seen
+
+
+def test_auto_without_a_measure_is_an_error_not_a_silent_reference(monkeypatch):
+    """kernels.py asks plumbing/kernel_choice.py's measure for a shape auto has not met; without one
+    installed (kernel_choice.select installs it) auto refuses rather than running the reference."""
+    monkeypatch.setattr(kernels, "measure", None)
+    kernels.select("torch", "cpu")   # (forgets earlier choices)
+    with kernels.using("auto"), pytest.raises(RuntimeError, match="kernel_choice.select"):
+        kernels.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-5)
+    kernel_choice.select("torch", "cpu")
+    assert kernels.measure is kernel_choice.measure
