@@ -274,6 +274,10 @@ def test_quality_sweep_at_a_toy_size(monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         q.sweep(["--sweep=nothing"], log=lambda *a: None)
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --sweep=nothing")
+    with pytest.raises(SystemExit) as e:   # (no dense recipe, no --target: refused before training)
+        q.sweep(["--sweep=cola", f"--keep_runs={tmp_path / 'none'}"], log=lambda *a: None)
+    assert e.value.code == 2 and "no dense recipe" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.slow

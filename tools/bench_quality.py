@@ -70,7 +70,9 @@ SWEEP = {**{f"dense lr {lr}": recipe("full", lr, STEPS) for lr in ("5e-4", "1e-3
          **{f"cola lr {lr}": recipe("cola", lr, 625) for lr in ("1.5e-3", "2e-3", "3e-3")},
          "cola lr 2e-3, schedule 550": recipe("cola", "2e-3", 550, 625),
          **{f"cola lr 2e-3, warmup {w}": [*recipe("cola", "2e-3", 625), f"--warmup_iters={w}"]
-            for w in (60, 100, 150)}}
+            for w in (60, 100, 150)},
+         "cola lr 2e-3, warmup 150, r 96": [*recipe("cola", "2e-3", 625, rank=96),
+                                            "--warmup_iters=150"]}
 
 
 def crossing(points, target):
@@ -292,6 +294,10 @@ def sweep(extra, log=print):
     if not runs or not seeds.isdigit() or int(seeds) < 1:
         print(f"error: --sweep={only} names no recipe of {list(SWEEP)}, or --seeds={seeds} is "
               "not a whole number of at least 1", file=sys.stderr)
+        sys.exit(2)
+    if not opts.get("target") and not any(name.startswith("dense") for name in runs):
+        print(f"error: --sweep={only} names no dense recipe to take the target from: name one "
+              "too, or pass --target=X", file=sys.stderr)
         sys.exit(2)
     step = int(opts.get("target_step") or STEPS)
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
