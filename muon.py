@@ -104,9 +104,10 @@ def newton_schulz_gram(blocks, group, dtype=torch.float32, steps=STEPS):
 class Piece:
     """One full weight inside a local parameter: its rows [start, start + rows) of the local tensor,
     the dimension `dim` its full tensor is cut along over t ranks (None: whole here), and how its
-    update is orthogonalised: "whole", "gram", "gather" or "owner"."""
+    update is orthogonalised: "whole", "gram", "gather" or "owner" (`prefer`, the path configure
+    took; a piece the Gram path does not fit, cut along its short side, gathers)."""
 
-    def __init__(self, start, rows, local_shape, dim, t, prefer=None):
+    def __init__(self, start, rows, local_shape, dim, t, prefer="gather"):
         self.start, self.rows, self.dim, self.t = start, rows, dim, t
         full = [rows, local_shape[1]]
         if dim is not None:
@@ -117,14 +118,9 @@ class Piece:
             self.mode = "whole"
         elif prefer == "owner":
             self.mode = "owner"
-        else:
-            long_side = 1 if m <= n else 0
-            gram_bytes = STEPS * 2 * min(m, n) ** 2                 # all-reduces, ring: 2(t-1)/t
-            gather_bytes = m * n                                    # one gather: (t-1)/t · m·n
-            fits = dim == long_side
-            self.mode = "gram" if fits and (prefer == "gram" or
-                                            (prefer != "gather" and gram_bytes < gather_bytes)) \
-                else "gather"
+        else:   # (the Gram path sums over a cut along X's long side)
+            fits = dim == (1 if m <= n else 0)
+            self.mode = "gram" if fits and prefer == "gram" else "gather"
 
     def block(self, t):
         return t[self.start:self.start + self.rows]                 # this rank's part, a view
@@ -135,7 +131,7 @@ class Piece:
         return math.sqrt(max(1.0, self.full[0] / self.full[1]))
 
 
-def pieces_of(spec, local_shape, t, prefer=None):
+def pieces_of(spec, local_shape, t, prefer):
     """The Pieces of a local parameter laid out by sharding.Spec `spec`."""
     out, start = [], 0
     for rows in spec.rows:
@@ -349,13 +345,13 @@ def muon_params(model):
     return [p for n, p in model.named_parameters() if MATRIX.search(n)]
 
 
-def per_layer_traffic(layout, cfg, t, prefer=None):
+def per_layer_traffic(layout, cfg, t, prefer):
     """The elements Muon's TP collectives carry for one decoder layer in one step, written in the
     terms of layouts.per_layer_traffic (d, kv, f, r_a, r_m; t) and tested equal to the ledger:
     each projection (out, in) of rank ρ is A (ρ, in) and B (out, ρ) (arch=full: W (out, in)),
     cut by BTP along in and out (X's long side), by vanilla along ρ, by Megatron along out (q, k,
     v, gate, up: column-parallel) or in (o, down); a piece costs 5·min(m, n)² + 1 by the Gram path,
-    m·n gathered (Piece chooses), or 2·m·n/t a rank on average by the owner path."""
+    m·n gathered, or 2·m·n/t a rank on average by the owner path (`prefer`: gram, gather, owner)."""
     if t == 1:
         return 0
     d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
