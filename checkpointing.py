@@ -45,7 +45,6 @@ every row above, with `lowrank` and with `layer` alike, each layer keeps (4·ra 
 
 (Training-state checkpoints, the files a run saves and resumes from, are plumbing/train_state.py.)
 """
-import torch
 from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE = ("none", "layer", "lowrank")

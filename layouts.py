@@ -16,10 +16,8 @@ width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
             down-projections sharing an input are one GEMM, the up-projections one grouped GEMM.
             Forward: (3r + 1) + r + (2r + 1) + r; backward 3r + r + 2r + r.
 
-Under LaX (lax.py) btp's latents are whole after their all-reduce, so the crossing, its LayerNorm
-over r and its gate run locally: no collective more. vanilla holds r/t slices, so each crossing
-layer all-gathers its latents (forward 4·ra + 3·rm; backward an all-reduce of the same, entering
-the row-parallel Bs); layer 0 gathers its latents for layer 1 and all-reduces nothing more.
+LaX (lax.py) extends the btp and vanilla layers: its crossing adds no collective under btp and
+one all-gather of the latents per chunk under vanilla (lax.py's docstring counts them).
 
 Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
 `Spec` of each parameter, sharding.py) and is tested against it: same loss, same gradients.
@@ -36,8 +34,7 @@ import kernels
 import lax
 from checkpointing import run_layers
 from model import Llama, causal_attention, gated_product, latent_act, rope_table
-from parallel import (Copy, Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, all_reduce,
-                      column_parallel)
+from parallel import Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, column_parallel
 from sharding import Sharded, check_divisible
 
 
@@ -95,22 +92,20 @@ class BTPBlock(Sharded):
         self.shard("B_up", [prefix + "mlp.up.B.weight"], 0)
         self.shard("A_down", [prefix + "mlp.down.A.weight"], 1)                 # (r, f/t)
         self.shard("B_down", [prefix + "mlp.down.B.weight"], 0)                 # (d/t, r)
-        self.shard_crossings(cfg, prefix)
 
     def forward(self, x, cos, sin, prev=None, segment=None):
         """One layer: five chunks, and between them the layer's only four collectives, each an
         all-reduce of an r-wide latent. segment(chunk, *args) runs each chunk: under
         --recompute=lowrank a checkpointed segment (checkpointing.py), so the all-reduces stay
-        outside what backward replays. prev, and what it returns beside x under LaX: the latents of
-        q|k|v, o, gate|up, down."""
+        outside what backward replays. Returns (x, None): prev and the None are the latents that
+        LaX carries from layer to layer (lax.py extends this layer and its emit)."""
         run = segment or (lambda chunk, *args: chunk(*args))
-        p = prev or (None,) * 4
-        partial = run(self.qkv_down, x)                             # (b, s, 3r+1) partial
-        partial, h_qkv = run(self.attn_chunk, self.reduce(partial), cos, sin, p[0])  # (b, s, r)
-        x, partial, h_o = run(self.o_chunk, self.reduce(partial), x, p[1])  # (b, s, d/t), 2r+1
-        partial, h_gu = run(self.mlp_chunk, self.reduce(partial), p[2])      # (b, s, r) partial
-        x, h_down = run(self.down_chunk, self.reduce(partial), x, p[3])      # (b, s, d/t)
-        return x, ((h_qkv, h_o, h_gu, h_down) if self.lax else None)
+        partial = run(self.qkv_down, x)                                        # (b, s, 3r+1)
+        partial = run(self.attn_chunk, self.reduce(partial), cos, sin)         # (b, s, r)
+        x, partial = run(self.o_chunk, self.reduce(partial), x)      # (b, s, d/t), (b, s, 2r+1)
+        partial = run(self.mlp_chunk, self.reduce(partial))                    # (b, s, r)
+        x = run(self.down_chunk, self.reduce(partial), x)                      # (b, s, d/t)
+        return x, None
 
     # The chunks. Each starts from a replicated latent after its all-reduce and ends with the local
     # partial product of the next A, before its all-reduce; so recomputing one issues no collective.
@@ -131,11 +126,9 @@ class BTPBlock(Sharded):
         return HS[..., :-1] * torch.rsqrt(HS[..., -1:].float() / self.cfg.n_embd
                                           + self.cfg.norm_eps)   # (b, s, n)
 
-    def emit(self, z, p, group):
-        """(h for the Bs, h for the next layer under LaX, else None): σ(z), or under LaX from layer
-        1 on σ(LayerNorm(z + G(p))); z is whole here, so the crossing is local."""
-        h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, z, p) if self.crosses else z)
-        return h, (h if self.lax else None)
+    def emit(self, z):
+        """σ(z), the latent the up-projections read (LaX's layers cross z first: lax.py)."""
+        return self.act(z)
 
     def expand(self, z, Bs):
         """The column-parallel up-projections of the replicated latent z's groups, one grouped GEMM
@@ -147,34 +140,34 @@ class BTPBlock(Sharded):
         return self.norm_down(x, self.attn_norm, self.A_qkv)  # (b, s, 3r+1) partial
 
     @traced
-    def attn_chunk(self, HS, cos, sin, p=None):
+    def attn_chunk(self, HS, cos, sin):
         cfg, t = self.cfg, self.tp.size
-        h, out = self.emit(self.latent(HS), p, "qkv")                           # (b, s, 3r)
+        h = self.emit(self.latent(HS))                                          # (b, s, 3r)
         # B_q, B_k, B_v are cut by rows, i.e. by heads: each rank attends over its own heads, and
         # their outputs side by side are its d/t slice of o's input, which A_o's columns match
         q, k, v = self.expand(h, [self.B_q, self.B_k, self.B_v])
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
-        return y @ self.A_o.t(), out                                             # (b, s, r) partial
+        return y @ self.A_o.t()                                                  # (b, s, r) partial
 
     @traced
-    def o_chunk(self, u, x, p=None):
-        h, out = self.emit(u, p, "o")                                            # (b, s, r)
+    def o_chunk(self, u, x):
+        h = self.emit(u)                                                         # (b, s, r)
         # B_o's rows are this rank's d/t of the stream: the update lands on its own slice, locally
         x = x + self.expand(h, [self.B_o])[0]                                    # (b, s, d/t)
-        return x, self.norm_down(x, self.mlp_norm, self.A_gu), out  # (b, s, 2r+1) partial
+        return x, self.norm_down(x, self.mlp_norm, self.A_gu)      # (b, s, 2r+1) partial
 
     @traced
-    def mlp_chunk(self, HS, p=None):
-        h, out = self.emit(self.latent(HS), p, "gu")                            # (b, s, 2r)
+    def mlp_chunk(self, HS):
+        h = self.emit(self.latent(HS))                                          # (b, s, 2r)
         gate, up = self.expand(h, [self.B_gate, self.B_up])
         # gate and up are cut alike along f, so their product is local; A_down reads those f/t
         a = gated_product(self.cfg.mlp_gate, gate, up)                           # (b, s, f/t)
-        return a @ self.A_down.t(), out                                          # (b, s, r) partial
+        return a @ self.A_down.t()                                               # (b, s, r) partial
 
     @traced
-    def down_chunk(self, u, x, p=None):
-        h, out = self.emit(u, p, "down")                                         # (b, s, r)
-        return x + self.expand(h, [self.B_down])[0], out                         # (b, s, d/t)
+    def down_chunk(self, u, x):
+        h = self.emit(u)                                                         # (b, s, r)
+        return x + self.expand(h, [self.B_down])[0]                              # (b, s, d/t)
 
 
 class VanillaBlock(Sharded):
@@ -189,7 +182,6 @@ class VanillaBlock(Sharded):
             key = name.replace(".", "_")
             self.shard(f"{key}_A", [prefix + name + ".A.weight"], 0)    # (r/t, d_in)
             self.shard(f"{key}_B", [prefix + name + ".B.weight"], 1)    # (d_out, r/t)
-        self.shard_crossings(cfg, prefix)
 
     # One layer: BTP's chunks, but the latents are local r/t slices (reduce: nothing to sum) and
     # each of the seven B's ends in an all-reduce of its whole output (d, kv or f) in its chunk.
@@ -199,25 +191,7 @@ class VanillaBlock(Sharded):
     def reduce(self, partial):
         return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
 
-    def emit(self, z, p, group):
-        """(h for the row-parallel Bs: this rank's r/t slices, h for the next layer). Without LaX
-        σ(z) and nothing. LaX's crossing reads whole latents: a crossing layer all-gathers z
-        (backward: its slice of the whole gradient), crosses it on every rank alike, and hands its
-        slices to the Bs through Copy (backward: the all-reduce that makes the Bs' slice gradients
-        whole); layer 0 gathers σ(z) for layer 1. The whole latent goes on to the next layer."""
-        if not self.lax:
-            return self.act(z), None
-        G, t, i = len(lax.GROUPS[group]), self.tp.size, self.tp.tp_rank
-
-        def whole(slices):   # (b, s, G·r/t) on each rank -> (b, s, G·r), projection by projection
-            gathered = Gather.apply(slices, self.tp.group)               # (b, s, t·G·r/t)
-            return gathered.unflatten(-1, (t, G, -1)).transpose(-3, -2).flatten(-3)
-        if not self.crosses:
-            h = self.act(z)                                                       # (b, s, G·r/t)
-            return h, whole(h)
-        h = self.act(lax.cross_stacked(self, group, self.cfg.lax_gate, whole(z), p))  # (b, s, G·r)
-        mine = Copy.apply(h, self.tp.group).unflatten(-1, (G, t, -1))[..., i, :].flatten(-2)
-        return mine, h  # (b, s, G·r/t), (b, s, G·r)
+    emit = BTPBlock.emit   # σ of this rank's r/t slices
 
     def compress(self, h, *keys):
         """Each column-parallel A after its own Copy (one backward all-reduce per A, as in the
@@ -235,34 +209,34 @@ class VanillaBlock(Sharded):
         return self.compress(h, "attn_q", "attn_k", "attn_v")                     # (b, s, 3r/t)
 
     @traced
-    def attn_chunk(self, z, cos, sin, p=None):
+    def attn_chunk(self, z, cos, sin):
         cfg = self.cfg
-        h, out = self.emit(z, p, "qkv")                                           # (b, s, 3r/t)
+        h = self.emit(z)                                                          # (b, s, 3r/t)
         hq, hk, hv = h.split(cfg.attn_rank // self.tp.size, -1)
         # q (b, s, d), k and v (b, s, kv): each B's whole output, all-reduced (expand)
         q, k, v = (self.expand(hz, "attn_" + n) for hz, n in zip((hq, hk, hv), "qkv"))
         y = causal_attention(q, k, v, cfg.n_head, cfg.n_kv_head, cos, sin)  # all heads, (b, s, d)
-        return self.compress(y, "attn_o"), out                                    # (b, s, r/t)
+        return self.compress(y, "attn_o")                                         # (b, s, r/t)
 
     @traced
-    def o_chunk(self, u, x, p=None):
-        h, out = self.emit(u, p, "o")
+    def o_chunk(self, u, x):
+        h = self.emit(u)                                                          # (b, s, r/t)
         x = x + self.expand(h, "attn_o")                                          # (b, s, d)
         n = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
-        return x, self.compress(n, "mlp_gate", "mlp_up"), out                     # (b, s, 2r/t)
+        return x, self.compress(n, "mlp_gate", "mlp_up")                          # (b, s, 2r/t)
 
     @traced
-    def mlp_chunk(self, z, p=None):
-        h, out = self.emit(z, p, "gu")                                            # (b, s, 2r/t)
+    def mlp_chunk(self, z):
+        h = self.emit(z)                                                          # (b, s, 2r/t)
         hg, hu = h.split(self.cfg.mlp_rank // self.tp.size, -1)
         a = gated_product(self.cfg.mlp_gate, self.expand(hg, "mlp_gate"),
                           self.expand(hu, "mlp_up"))  # (b, s, f)
-        return self.compress(a, "mlp_down"), out                                  # (b, s, r/t)
+        return self.compress(a, "mlp_down")                                       # (b, s, r/t)
 
     @traced
-    def down_chunk(self, u, x, p=None):
-        h, out = self.emit(u, p, "down")
-        return x + self.expand(h, "mlp_down"), out                                # (b, s, d)
+    def down_chunk(self, u, x):
+        h = self.emit(u)                                                          # (b, s, r/t)
+        return x + self.expand(h, "mlp_down")                                     # (b, s, d)
 
 
 class MegatronBlock(Sharded):
@@ -307,7 +281,8 @@ class TPLlama(Sharded):
     embeddings: every TP rank of the first and last stage holds the matrix whole and uses its
     slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
     `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
-    `block` replaces the layout's layer class (tools/ablations.py)."""
+    `block` replaces the layout's layer class (tools/ablations.py); under lax=true lax.py extends
+    the class with its crossing."""
 
     def __init__(self, model, tp, layout, stage=0, stages=1, recompute="none", block=None):
         check_divisible(model.cfg, tp.size, layout)
@@ -327,8 +302,10 @@ class TPLlama(Sharded):
         elif self.first:
             self.shard("tok_emb", ["tok_emb.weight"],
                        1 if layout == "btp" else None)  # (V, d/t) or (V, d)
-        self.layers = nn.ModuleList((block or BLOCKS[layout])(model.cfg, tp, full, f"layers.{i}.")
-                                    for i in ids)
+        block = block or BLOCKS[layout]
+        if model.cfg.lax:   # LaX's crossing, an extension of the layer (lax.py)
+            block = lax.extended(block, layout)
+        self.layers = nn.ModuleList(block(model.cfg, tp, full, f"layers.{i}.") for i in ids)
         for i, layer in zip(ids, self.layers):
             layer.label = f"{layout} layer {i}"  # in profiler traces
         if self.last:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import dp_shard
-import lax
 from model import init_part
 from parallel import all_reduce
 
@@ -76,13 +75,6 @@ class Sharded(nn.Module):
         spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
         self.register_parameter(name, nn.Parameter(cut_local(self._full, spec, self.tp).clone()))
         self.specs[name] = spec
-
-    def shard_crossings(self, cfg, prefix):
-        """LaX: the layer's gates and LayerNorms, replicated, one parameter per group and kind."""
-        pieces = lax.group_pieces(prefix, self._full, cfg.lax_gate)
-        for name, names in pieces:
-            self.shard(name, names, None)
-        self.crosses, self.lax = bool(pieces), cfg.lax
 
     def pieces(self):
         """(local parameter, full name, its rows in the local tensor, shard dim or None) for every

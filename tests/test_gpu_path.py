@@ -306,6 +306,8 @@ def test_optimizer_state_is_made_on_each_parameter_device():
 # ---------------------------------------------------------------- issue 42: compiled graphs
 
 GRAPH_CASES = (("cola", "btp"), ("svd", "vanilla"), ("full", "megatron"))
+# LaX under recompute=lowrank: its crossing runs inside each checkpointed chunk (lax.Carrier)
+LAX_CASE = ("cola", "btp", dict(lax=True), "lowrank")
 
 
 def _graphs(tp_rank, world, out=None):
@@ -317,23 +319,26 @@ def _graphs(tp_rank, world, out=None):
     from model import Llama
     tp = parallel.TPGroup(dist.group.WORLD if world > 1 else None, tp_rank, world)
     found = {}
-    for arch, layout in GRAPH_CASES:
+    for arch, layout, extra, recompute in [(*c, {}, "none") for c in GRAPH_CASES] + [LAX_CASE]:
         torch.manual_seed(0)
-        model = layouts.TPLlama(Llama(small_cfg(arch, n_layer=1)), tp, layout)
+        cfg = small_cfg(arch, n_layer=2 if extra else 1, **extra)   # (LaX crosses from layer 1)
+        model = layouts.TPLlama(Llama(cfg), tp, layout, recompute=recompute)
         idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         for impl in ("torch", "triton"):
             torch._dynamo.reset()
             with kernels.using(impl):
                 ex = torch._dynamo.explain(lambda i: model(i, i)[1])(idx)
-            found[(layout, impl)] = (ex.graph_count, ex.graph_break_count)
+            found[(layout, impl, recompute)] = (ex.graph_count, ex.graph_break_count)
     assert all(v == (1, 0) for v in found.values()), found
     return found
 
 
 def test_every_layout_compiles_to_one_graph_with_the_kernels_at_tp1():
     """The Triton kernels are custom ops (kernel_ops.py), the collectives functional under
-    compile: a layer is one graph, no break, with --kernels=torch and --kernels=triton."""
-    assert set(_graphs(0, 1)) == {(layout, impl) for _, layout in GRAPH_CASES
+    compile: a layer is one graph, no break, with --kernels=torch and --kernels=triton; and LaX
+    with recompute=lowrank, whose crossing in each checkpointed chunk mutates nothing outside it."""
+    cases = [(layout, "none") for _, layout in GRAPH_CASES] + [LAX_CASE[1::2]]
+    assert set(_graphs(0, 1)) == {(layout, impl, recompute) for layout, recompute in cases
                                   for impl in ("torch", "triton")}
 
 
