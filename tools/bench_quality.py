@@ -47,32 +47,32 @@ OWN = ("seeds", "target", "target_step", "figure", "tier")   # the bench's; the 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
-def recipe(arch, lr, decay, max_iters=None, rank=None):
+def recipe(arch, lr, decay, max_iters=None, rank=None, warmup=None):
     """One point of a recipe sweep: the arch at peak lr `lr` (min_lr a tenth of it), a cosine over
-    `decay` steps, trained `max_iters` steps (default: the schedule), r = `rank` (default d/4)."""
+    `decay` steps, trained `max_iters` steps (default: the schedule), r = `rank` (default d/4),
+    `warmup` steps of warmup (default: the shape's)."""
     return [f"--arch={arch}", f"--learning_rate={lr}", f"--min_lr={float(lr) / 10:g}",
             f"--lr_decay_iters={decay}", f"--max_iters={max_iters or decay}",
-            *([f"--attn_rank={rank}", f"--mlp_rank={rank}"] if rank else [])]
+            *([f"--attn_rank={rank}", f"--mlp_rank={rank}"] if rank else []),
+            *([f"--warmup_iters={warmup}"] if warmup else [])]
 
 
 # the CPU tier's runs: each side's best recipe of the sweep below (docs/quality.md), CoLA's also
 # configs/cola_quality_cpu.toml
-RUNS = {"dense (megatron)": ["--layout=megatron", *recipe("full", "1e-3", STEPS),
-                             "--warmup_iters=150"],
-        "cola (btp)": ["--layout=btp", *recipe("cola", "2e-3", 625), "--warmup_iters=150"]}
+RUNS = {"dense (megatron)": ["--layout=megatron", *recipe("full", "1e-3", STEPS, warmup=150)],
+        "cola (btp)": ["--layout=btp", *recipe("cola", "2e-3", 625, warmup=150)]}
 
 # the recipe sweeps (`bench.py quality --sweep`), both sides alike: the dense model's first (its
 # best val loss at step STEPS is the CoLA recipes' target), trained at tp=1: every layout is tested
 # equal to one device, so the steps to a val loss do not depend on tp (the time per step does)
 SWEEP = {**{f"dense lr {lr}": recipe("full", lr, STEPS) for lr in ("5e-4", "1e-3", "2e-3")},
-         **{f"dense lr 1e-3, warmup {w}": [*recipe("full", "1e-3", STEPS), f"--warmup_iters={w}"]
+         **{f"dense lr 1e-3, warmup {w}": recipe("full", "1e-3", STEPS, warmup=w)
             for w in (60, 100, 150)},
          **{f"cola lr {lr}": recipe("cola", lr, 625) for lr in ("1.5e-3", "2e-3", "3e-3")},
          "cola lr 2e-3, schedule 550": recipe("cola", "2e-3", 550, 625),
-         **{f"cola lr 2e-3, warmup {w}": [*recipe("cola", "2e-3", 625), f"--warmup_iters={w}"]
+         **{f"cola lr 2e-3, warmup {w}": recipe("cola", "2e-3", 625, warmup=w)
             for w in (60, 100, 150)},
-         "cola lr 2e-3, warmup 150, r 96": [*recipe("cola", "2e-3", 625, rank=96),
-                                            "--warmup_iters=150"]}
+         "cola lr 2e-3, warmup 150, r 96": recipe("cola", "2e-3", 625, rank=96, warmup=150)}
 
 
 def crossing(points, target):
