@@ -225,7 +225,6 @@ EXTENSIONS = {"btp": CrossedBTP, "vanilla": CrossedVanilla}
 @functools.cache
 def extended(block, layout):
     """block (a layout's layer class, or a subclass of it) with LaX: CrossedBTP or CrossedVanilla
-    first in its MRO. layouts.TPLlama builds its layers from this under lax=true."""
-    if layout not in EXTENSIONS:
-        raise ValueError(f"lax=true crosses bottleneck latents: layout={layout} has none")
+    first in its MRO. layouts.TPLlama builds its layers from this under lax=true (Config and
+    sharding.check_divisible have already refused LaX on a dense model, megatron's)."""
     return type(f"LaX{block.__name__}", (EXTENSIONS[layout], block), {})
