@@ -30,6 +30,8 @@ import zlib
 import torch
 
 import layouts
+
+from tp_model import TPLlama
 import model as llama
 import parallel
 from plumbing import formats, integrity, rundir, train_state
@@ -96,7 +98,7 @@ def import_folder(folder, out_dir, tokenizer=None):
     ref = llama.Llama(llama.Config(**kw))
     ref.load_state_dict(state)
     # saved as a tp=1 run holds it: the layout with a TP group of one (the file is layout-free)
-    m = layouts.TPLlama(ref, parallel.TPGroup(None, 0, 1), "btp" if ref.cfg.lowrank else "megatron")
+    m = TPLlama(ref, parallel.TPGroup(None, 0, 1), layouts.default_layout(ref.cfg))
     before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
     try:
         # a copy in out_dir/tokenizer/ for the runs that continue it
@@ -216,7 +218,6 @@ def parser_of():
 
 def add_eval(sub, data):
     """The eval command's arguments (plumbing/heldout.py: the CoLA and GaLore papers' protocol)."""
-    import sharding
     p = sub.add_parser("eval", help="a checkpoint's held-out loss, perplexity and bits per byte "
                        "over a fixed token budget (under torchrun: at any --tp)")
     p.add_argument("checkpoint", type=_checkpoint_folder,
@@ -234,7 +235,7 @@ def add_eval(sub, data):
                    "training (default 0.1, train.py's)")
     p.add_argument("--batch_size", type=data.positive_int, default=8, help="sequences a step")
     p.add_argument("--tp", type=data.positive_int, default=1, help="tensor-parallel degree")
-    p.add_argument("--layout", default="auto", choices=("auto",) + sharding.LAYOUTS,
+    p.add_argument("--layout", default="auto", choices=("auto", *layouts.LAYOUTS),
                    help="the TP layout (auto: btp for low-rank, megatron for dense)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))

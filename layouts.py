@@ -16,26 +16,27 @@ width, r bottleneck rank, t tp degree. Volumes are elements per token per layer.
             down-projections sharing an input are one GEMM, the up-projections one grouped GEMM.
             Forward: (3r + 1) + r + (2r + 1) + r; backward 3r + r + 2r + r.
 
-LaX (lax.py) extends the btp and vanilla layers: its crossing adds no collective under btp and
-one all-gather of the latents per chunk under vanilla (lax.py's docstring counts them).
+Each layout is one `Layout` record at the end of this file (its layer class, the traffic formula,
+what the TP degree must divide, how Muon's and explain's views cut and name it): everything else
+reads LAYOUTS, so adding a layout is a layer class and a record (docs/walkthrough.md, question 11).
+LaX extends the btp and vanilla layers from outside (extensions/lax_layers.py): its crossing adds
+no collective under btp and one all-gather of the latents per chunk under vanilla.
 
 Every layout starts from the single-device Llama's weights (built from one seed, then cut by the
 `Spec` of each parameter, sharding.py) and is tested against it: same loss, same gradients.
 """
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.profiler import record_function
 
-import kernels
-import lax
-from checkpointing import run_layers
-from model import Llama, causal_attention, gated_product, latent_act, rope_table
-from parallel import Gather, Reduce, VocabParallelCrossEntropy, all_gather_last, column_parallel
-from sharding import Sharded, check_divisible
+import local_ops
+import sharding
+from model import causal_attention, gated_product, latent_act
+from parallel import Reduce, column_parallel
+from sharding import Sharded
 
 
 def traced(chunk):
@@ -59,17 +60,29 @@ class Traffic(NamedTuple):
 
 
 def per_layer_traffic(layout, cfg):
-    """The volumes of this module's docstring, written down once (tested equal to the ledger's
-    count; tools/bench.py and tools/costmodel.py use them). cfg: n_embd, mlp_width, kv_dim and the
-    ranks."""
+    """The volumes of this module's docstring, written down once in each layout's record (tested
+    equal to the ledger's count; tools/bench.py and tools/costmodel.py use them). cfg: n_embd,
+    mlp_width, kv_dim and the ranks."""
+    return LAYOUTS[layout].traffic(cfg)
+
+
+def btp_traffic(cfg):
+    """q/k/v latents + Σx², o, gate/up + Σx², down; backward their gradients."""
+    ra, rm = cfg.attn_rank, cfg.mlp_rank
+    return Traffic((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm, 4 + 4)
+
+
+def vanilla_traffic(cfg):
+    """Every B's whole output; backward every A's input gradient (LaX: its gathered latents)."""
     d, f, kv, ra, rm = cfg.n_embd, cfg.mlp_width, cfg.kv_dim, cfg.attn_rank, cfg.mlp_rank
-    if layout == "btp":      # q/k/v latents + Σx², o, gate/up + Σx², down; backward their gradients
-        return Traffic((3 * ra + 1) + ra + (2 * rm + 1) + rm, 3 * ra + ra + 2 * rm + rm, 4 + 4)
-    if layout == "vanilla":  # every B's whole output; backward every A's input gradient
-        lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0   # LaX's latents
-        return Traffic(d + 2 * kv + d + 2 * f + d + lx, 3 * d + d + 2 * d + f + lx,
-                       7 + 7 + (8 if lx else 0))
-    return Traffic(2 * d, 2 * d, 2 + 2)   # megatron: after attention and after the MLP
+    lx = (4 * ra + 3 * rm) if getattr(cfg, "lax", False) else 0
+    return Traffic(d + 2 * kv + d + 2 * f + d + lx, 3 * d + d + 2 * d + f + lx,
+                   7 + 7 + (8 if lx else 0))
+
+
+def megatron_traffic(cfg):
+    """After attention and after the MLP, both ways."""
+    return Traffic(2 * cfg.n_embd, 2 * cfg.n_embd, 2 + 2)
 
 
 class BTPBlock(Sharded):
@@ -96,9 +109,11 @@ class BTPBlock(Sharded):
     def forward(self, x, cos, sin, prev=None, segment=None):
         """One layer: five chunks, and between them the layer's only four collectives, each an
         all-reduce of an r-wide latent. segment(chunk, *args) runs each chunk: under
-        --recompute=lowrank a checkpointed segment (checkpointing.py), so the all-reduces stay
+        --recompute=lowrank a checkpointed segment (recompute.py), so the all-reduces stay
         outside what backward replays. Returns (x, None): prev and the None are the latents that
-        LaX carries from layer to layer (lax.py extends this layer and its emit)."""
+        LaX carries from layer to layer (extensions/lax_layers.py extends this layer: it relies on
+        the chunks running in this order, each a bound method through `segment`, and on each
+        chunk after qkv_down calling self.emit on its latent)."""
         run = segment or (lambda chunk, *args: chunk(*args))
         partial = run(self.qkv_down, x)                                        # (b, s, 3r+1)
         partial = run(self.attn_chunk, self.reduce(partial), cos, sin)         # (b, s, r)
@@ -112,7 +127,7 @@ class BTPBlock(Sharded):
     def norm_down(self, x, gamma, A):
         """The local half of σ(RMSNorm(x)·Aᵀ): the partial [H | S] to all-reduce (online RMSNorm,
         §3)."""
-        H, S = kernels.norm_down(x, gamma, A)            # (b, s, n), (b, s, 1)
+        H, S = local_ops.norm_down(x, gamma, A)            # (b, s, n), (b, s, 1)
         # the statistic travels in the latents' dtype (bf16 under autocast, like every TP
         # all-reduce): its rounding is below that of the bf16 output it normalises
         return torch.cat([H, S.to(H.dtype)], -1)         # (b, s, n+1)
@@ -183,11 +198,18 @@ class VanillaBlock(Sharded):
             self.shard(f"{key}_A", [prefix + name + ".A.weight"], 0)    # (r/t, d_in)
             self.shard(f"{key}_B", [prefix + name + ".B.weight"], 1)    # (d_out, r/t)
 
-    # One layer: BTP's chunks, but the latents are local r/t slices (reduce: nothing to sum) and
-    # each of the seven B's ends in an all-reduce of its whole output (d, kv or f) in its chunk.
-    forward = BTPBlock.forward
+    def forward(self, x, cos, sin, prev=None, segment=None):
+        """One layer: BTP's five chunks, but the latents are local r/t slices (reduce: nothing to
+        sum) and each of the seven B's ends in an all-reduce of its whole output (d, kv or f)
+        inside its chunk, so recompute replays those (the paper's point). Returns (x, None)."""
+        run = segment or (lambda chunk, *args: chunk(*args))
+        z = run(self.qkv_down, x)                                              # (b, s, 3r/t)
+        u = run(self.attn_chunk, z, cos, sin)                                  # (b, s, r/t)
+        x, z = run(self.o_chunk, u, x)                             # (b, s, d), (b, s, 2r/t)
+        u = run(self.mlp_chunk, z)                                             # (b, s, r/t)
+        return run(self.down_chunk, u, x), None                                # (b, s, d)
 
-    # The chunks, with BTP's boundaries (checkpointing.run_layers recomputes them one by one).
+    # The chunks, with BTP's boundaries (recompute.run_layers recomputes them one by one).
     def reduce(self, partial):
         return partial  # a column-parallel A gives this rank's latent slice whole: nothing to sum
 
@@ -205,7 +227,7 @@ class VanillaBlock(Sharded):
 
     @traced
     def qkv_down(self, x):
-        h = kernels.rms_norm(x, self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
+        h = local_ops.rms_norm(x, self.attn_norm, self.cfg.norm_eps)  # (b, s, d)
         return self.compress(h, "attn_q", "attn_k", "attn_v")                     # (b, s, 3r/t)
 
     @traced
@@ -222,7 +244,7 @@ class VanillaBlock(Sharded):
     def o_chunk(self, u, x):
         h = self.emit(u)                                                          # (b, s, r/t)
         x = x + self.expand(h, "attn_o")                                          # (b, s, d)
-        n = kernels.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
+        n = local_ops.rms_norm(x, self.mlp_norm, self.cfg.norm_eps)
         return x, self.compress(n, "mlp_gate", "mlp_up")                          # (b, s, 2r/t)
 
     @traced
@@ -258,120 +280,71 @@ class MegatronBlock(Sharded):
     def forward(self, x, cos, sin, prev=None):
         """(x, None): a dense layer has no latents (prev is always None)."""
         cfg, t, g = self.cfg, self.tp.size, self.tp.group
-        h = kernels.rms_norm(x, self.attn_norm, cfg.norm_eps)                         # (b, s, d)
+        h = local_ops.rms_norm(x, self.attn_norm, cfg.norm_eps)                         # (b, s, d)
         q, k, v = column_parallel(h, [self.W_q, self.W_k, self.W_v], self.tp)         # Copy, GEMMs
         y = causal_attention(q, k, v, cfg.n_head // t, cfg.n_kv_head // t, cos, sin)  # (b, s, d/t)
         x = x + Reduce.apply(y @ self.W_o.t(), g)                                     # (b, s, d)
-        h = kernels.rms_norm(x, self.mlp_norm, cfg.norm_eps)
+        h = local_ops.rms_norm(x, self.mlp_norm, cfg.norm_eps)
         gate, up = column_parallel(h, [self.W_gate, self.W_up], self.tp)
         a = gated_product(cfg.mlp_gate, gate, up)                                      # (b, s, f/t)
         return x + Reduce.apply(a @ self.W_down.t(), g), None                         # (b, s, d)
 
 
-BLOCKS = {"btp": BTPBlock, "vanilla": VanillaBlock, "megatron": MegatronBlock}
+# ------------------------------------------------------------------ the layouts, a record each
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """All the project knows of a layout: the rest of it (options, the plan, Muon, explain, the
+    benches) reads these fields, never the layout's name."""
+    name: str
+    block: type                 # its layer class: (cfg, tp, full, prefix), forward -> (x, latents)
+    lowrank: bool               # it cuts a bottleneck model (else the dense one)
+    splits: tuple               # the Config fields the TP degree must divide
+    stream_sharded: bool        # the residual stream (and the embedding) cut along d
+    traffic: Callable           # cfg -> Traffic: one layer's TP elements per token
+    cut: tuple                  # the dims a matrix is cut along over TP, as Muon sees it:
+    # low-rank (A's, B's) of A (r, d_in), B (d_out, r); dense (column-, row-parallel W's)
+    symbols: tuple = ()         # explain: the widths of its collectives, preferred first
+    carries: dict = dataclasses.field(default_factory=dict)   # explain: (phase, width) -> words
+    gathers: str = ""           # explain: what its TP all-gather carries
 
 
-class TPLlama(Sharded):
-    """model.Llama under a TP layout; same forward contract: (idx, targets) -> (logits, loss), the
-    logits vocab-sharded (b, s, V/t) with targets and all-gathered (b, 1, V) without.
-    As pipeline stage `stage` of `stages` (or the stages of a tuple: several a rank, pipeline.py)
-    it holds n_layer/stages layers a stage, the embedding with stage 0 and the final norm and LM
-    head with the last; between stages the residual stream travels as held here ((b, s, d/t) under
-    btp), and the last stage returns the logits for the schedule's loss (pipeline.Pipeline). Tied
-    embeddings: every TP rank of the first and last stage holds the matrix whole and uses its
-    slices (`embedding`, `head`); sharding.reduce_tied_grad sums their gradients.
-    `recompute` (none | layer | lowrank) is its activation checkpointing (checkpointing.py);
-    `block` replaces the layout's layer class (tools/ablations.py); under lax=true lax.py extends
-    the class with its crossing."""
+SHAPES = ("n_embd", "n_head", "n_kv_head", "mlp_width")   # heads and d (or d_ff) split
+_GATHERED_LATENTS = "gradient of latents gathered for LaX's crossing"
+LAYOUTS = {lay.name: lay for lay in (
+    Layout("btp", BTPBlock, True, SHAPES, True, btp_traffic, (1, 0),
+           ("3r+1", "2r+1", "2r_m+1", "3r", "2r", "2r_m", "r", "r_m", "d"), {
+               ("fwd", "3r+1"): "q, k, v latents + the norm statistic (online RMSNorm)",
+               ("fwd", "2r+1"): "gate, up latents + the norm statistic",
+               ("fwd", "r"): "a partial latent", ("bwd", "r"): "gradient of a latent",
+               ("bwd", "3r"): "gradient of the q, k, v latents",
+               ("bwd", "2r"): "gradient of the gate, up latents",
+               ("fwd", "d"): "the residual stream, gathered for the head",
+               ("bwd", "d"): "gradient of the head's input"},
+           "the residual stream, gathered for the head"),
+    Layout("vanilla", VanillaBlock, True, ("attn_rank", "mlp_rank"), False, vanilla_traffic,
+           (0, 1), ("d", "kv", "f"), {
+               ("fwd", "d"): "partial sums of a row-parallel B",
+               ("bwd", "d"): "gradient of an A's input", ("bwd", "f"): "gradient of A_down's input",
+               ("fwd", "kv"): "partial sums of B_k or B_v",
+               ("fwd", "f"): "partial sums of B_gate or B_up",
+               **dict.fromkeys((("bwd", "r"), ("bwd", "2r"), ("bwd", "3r")), _GATHERED_LATENTS)},
+           "a projection's latent, gathered from its r/t slices for the next layer's crossing"),
+    Layout("megatron", MegatronBlock, False, SHAPES, False, megatron_traffic, (0, 1), ("d",), {
+        ("fwd", "d"): "partial sums of o or down (row-parallel)",
+        ("bwd", "d"): "gradient of the normed input (column-parallel)"}),
+)}
 
-    def __init__(self, model, tp, layout, stage=0, stages=1, recompute="none", block=None):
-        check_divisible(model.cfg, tp.size, layout)
-        full = {k: v.detach() for k, v in model.state_dict().items()}
-        super().__init__(tp, full)
-        self.cfg, self.layout, self.recompute = model.cfg, layout, recompute
-        held = (stage,) if isinstance(stage, int) else tuple(stage)
-        self.first, self.last, self.pipelined = 0 in held, stages - 1 in held, stages > 1
-        per_stage, self.stages = model.cfg.n_layer // stages, stages
-        ids = [i for k in sorted(held) for i in range(k * per_stage, (k + 1) * per_stage)]
-        # stage k's layers: self.layers[self.at[k]] (held in the model's order)
-        self.at = {k: slice(j * per_stage, (j + 1) * per_stage) for j, k in enumerate(sorted(held))}
-        self.tied = model.cfg.tie_embeddings
-        if self.tied and (self.first or self.last):   # whole on every TP rank (and on the first
-            self.shard("tok_emb", ["tok_emb.weight"], None)  # and last stage), (V, d): the two
-            # uses take other slices of it
-        elif self.first:
-            self.shard("tok_emb", ["tok_emb.weight"],
-                       1 if layout == "btp" else None)  # (V, d/t) or (V, d)
-        block = block or BLOCKS[layout]
-        if model.cfg.lax:   # LaX's crossing, an extension of the layer (lax.py)
-            block = lax.extended(block, layout)
-        self.layers = nn.ModuleList(block(model.cfg, tp, full, f"layers.{i}.") for i in ids)
-        for i, layer in zip(ids, self.layers):
-            layer.label = f"{layout} layer {i}"  # in profiler traces
-        if self.last:
-            self.shard("norm", ["norm.weight"], None)
-            if not self.tied:
-                self.shard("lm_head", ["lm_head.weight"], 0)                       # (V/t, d)
-        self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
-        for m in self.modules():
-            m._full = None  # the full weights are not kept
 
-    @torch.no_grad()
-    def init_buffers(self):
-        """RoPE's tables, computed here (a model cut on the meta device holds none)."""
-        cos, sin = rope_table(self.cfg)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+def check_divisible(cfg, tp, layout, pp=1):
+    """A clear ValueError when `layout` is none of LAYOUTS or cannot split this model at this tp
+    (its record's rule: sharding.check_divisible), or pp its layers."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout} is not one of {', '.join(LAYOUTS)}")
+    others = [name for name, lay in LAYOUTS.items() if lay.lowrank == cfg.lowrank]
+    sharding.check_divisible(cfg, tp, LAYOUTS[layout], others, pp)
 
-    def embedding(self):
-        """The embedding as this rank uses it: (V, d/t) under btp, else (V, d)."""
-        if not self.tied:
-            return self.tok_emb
-        if self.layout == "btp":
-            return self.tok_emb.chunk(self.tp.size, 1)[self.tp.tp_rank]
-        # replicated use: every TP rank gets the same gradient, so one rank's counts (in
-        # sharding.reduce_tied_grad)
-        return self.tok_emb if self.tp.tp_rank == 0 else self.tok_emb.detach()
 
-    def head(self):
-        """The LM head as this rank uses it, vocab-parallel: (V/t, d)."""
-        return self.tok_emb.chunk(self.tp.size, 0)[self.tp.tp_rank] if self.tied else self.lm_head
-
-    def forward(self, x, targets=None, stage=None):
-        """`stage`: which held pipeline stage to run (None: the one held, or the whole model)."""
-        g = self.tp.group
-        stage = next(iter(self.at)) if stage is None else stage
-        if stage == 0:
-            x, lat = F.embedding(x, self.embedding()), None  # (b, s, d/t) btp, else (b, s, d)
-        else:
-            x, lat = self.unpack(x)  # from the previous pipeline stage
-        x, lat = run_layers(self.layers[self.at[stage]], x, self.rope_cos, self.rope_sin,
-                            self.recompute, lat)
-        if stage != self.stages - 1:
-            return torch.cat([x, *lat], -1) if lat else x          # to the next pipeline stage
-        if self.layout == "btp":   # the head is cut along V ≫ d: move d numbers a token, not V
-            x = Gather.apply(x, g)                                  # (b, s, d)
-        x = kernels.rms_norm(x, self.norm, self.cfg.norm_eps)      # (b, s, d)
-        head = self.head()                                          # (V/t, d)
-        if targets is None and not self.pipelined:
-            return all_gather_last(x[:, [-1], :] @ head.t(), g, "fwd"), None  # (b, 1, V)
-        logits = column_parallel(x, [head], self.tp)[0]             # (b, s, V/t), Copy first
-        if self.pipelined:
-            return logits                                           # to the schedule's loss
-        loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), g).mean()
-        return logits, loss
-
-    def unpack(self, x):
-        """A stage's input: the residual stream and, under LaX, the previous layer's latents of
-        q|k|v, o, gate|up, down, whole, riding beside it in one tensor (b, s, d_local + 4ra +
-        3rm)."""
-        if not self.cfg.lax:
-            return x, None
-        c = self.cfg
-        x, *lat = x.split([x.shape[-1] - 4 * c.attn_rank - 3 * c.mlp_rank, 3 * c.attn_rank,
-                           c.attn_rank,
-                           2 * c.mlp_rank, c.mlp_rank], -1)
-        return x, lat
-
-    generate = Llama.generate
+def default_layout(cfg):
+    """--layout=auto: the first layout that cuts this kind of model (btp, or megatron for full)."""
+    return next(name for name, lay in LAYOUTS.items() if lay.lowrank == cfg.lowrank)

@@ -312,7 +312,7 @@ def init_part(rule, seed, name, shape, rows, cols):
 class Llama(nn.Module):
     """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding or not).
     The reference every layout is cut from and tested against; a run trains a layout of it
-    (layouts.TPLlama, at tp=1 a group of one), which also runs its activation checkpointing.
+    (tp_model.TPLlama, at tp=1 a group of one), which also runs its activation checkpointing.
     Initial values: the constructors' rules (CoLA's N(0, std²), ...) drawn tile by tile, keyed by
     (init_seed, name, tile) (init_part); init_seed comes from the global generator, so
     torch.manual_seed(s) then Llama(cfg) is one model. On the meta device it holds shapes and

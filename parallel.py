@@ -1,4 +1,4 @@
-"""parallel.py: process groups, the tensor-parallel collectives and the communication ledger.
+"""parallel.py: the tensor-parallel collectives, paired forward and backward, and their ledger.
 
 BOOST (arXiv 2512.12131) sections 2 and 6. The collectives are Megatron's pair f/g (Copy, Reduce)
 plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entropy), each an
@@ -19,8 +19,6 @@ The pairs, each a forward and its backward (Megatron's f and g, and the rest):
 
 Before the LM head BTP gathers the residual stream (b, s, d/t) -> (b, s, d) (Gather): the head is
 cut along the vocabulary, and V ≫ d, so moving d numbers a token beats moving its V logits.
-At the end, what muon.py's optimizer step needs: several matrices' pieces in one collective
-(gathered_all), or each matrix made whole on one owner rank and cut back (owner_computes).
 """
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.profiler import record_function
 
-import kernels
+import local_ops
 
 
 # ------------------------------------------------------------------------------------ the ledger
@@ -93,7 +91,7 @@ NO_COMM = False
 
 
 def group_size(group):
-    """A group's size; None stands for a group of one without any process group (layouts.TPLlama as
+    """A group's size; None stands for a group of one without any process group (tp_model.TPLlama as
     the single-device model that runs the Triton kernels: train.py at tp=1)."""
     return 1 if group is None else dist.get_world_size(group)
 
@@ -178,7 +176,7 @@ class CopyUp(torch.autograd.Function):
     weight-gradient GEMM). Layouts use it with --overlap=true instead of `Copy` + matmuls.
 
     x (..., k) and Ws [(n_g, r)]: sliced=True, y_g = x_g·W_gᵀ with x_g the g-th r-slice of x
-    (BTP's concatenated latents, kernels.grouped_up); sliced=False, y_g = x·W_gᵀ (every W reads
+    (BTP's concatenated latents, local_ops.grouped_up); sliced=False, y_g = x·W_gᵀ (every W reads
     all of x). Backward: dx first, its all-reduce started asynchronously, then dW_g = dy_gᵀ·x_g
     while it flies, then wait. Same values and the same one collective as Copy."""
 
@@ -187,19 +185,19 @@ class CopyUp(torch.autograd.Function):
         ctx.group, ctx.sliced = group, sliced
         ctx.save_for_backward(x, *Ws)
         if sliced:
-            return tuple(kernels.grouped_up(x, list(Ws)))
+            return tuple(local_ops.grouped_up(x, list(Ws)))
         return tuple(x @ W.t() for W in Ws)                                    # [(..., n_g)]
 
     @staticmethod
     def backward(ctx, *dys):
         x, *Ws = ctx.saved_tensors
         if ctx.sliced:
-            dx = kernels.grouped_up_dz(list(dys), Ws)                          # (..., G·r)
+            dx = local_ops.grouped_up_dz(list(dys), Ws)                          # (..., G·r)
         else:
             dx = sum(dy @ W.to(dy.dtype) for dy, W in zip(dys, Ws))           # (..., k)
         dx, work = all_reduce(dx, ctx.group, "bwd", async_op=True)
         if ctx.sliced:
-            dWs = kernels.grouped_up_dB(list(dys), x, Ws)
+            dWs = local_ops.grouped_up_dB(list(dys), x, Ws)
         else:
             x2 = x.reshape(-1, x.shape[-1])                                    # (b·s, k)
             dWs = [dy.reshape(-1, dy.shape[-1]).t() @ x2.to(dy.dtype) for dy in dys]  # [(n_g, k)]
@@ -305,79 +303,9 @@ class TPGroup:
 
 def column_parallel(x, Ws, tp, sliced=False):
     """Copy (f), then the column-parallel GEMMs that read x: [x·W_gᵀ], or with sliced=True
-    [x_g·W_gᵀ] on the g-th slice of x (BTP's grouped latents, kernels.grouped_up). With tp.overlap
+    [x_g·W_gᵀ] on the g-th slice of x (BTP's grouped latents, local_ops.grouped_up). With tp.overlap
     the same values through CopyUp, whose backward overlaps the all-reduce with the dW GEMMs."""
     if tp.overlap:
         return list(CopyUp.apply(x, tp.group, sliced, *Ws))
     x = Copy.apply(x, tp.group)
-    return kernels.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]
-
-# ------------------------------------------ bucketed: several matrices' pieces in one collective
-
-def gathered_all(blocks, dims, group):
-    """The whole matrices of several pieces, each cut along its dim in `dims` over `group`, from
-    this rank's `blocks`, in one all-gather: the blocks (oriented so the cut runs along the last
-    dim) flattened into one buffer, gathered, and cut back per piece and rank."""
-    oriented = [x.t() if dim == 0 else x for x, dim in zip(blocks, dims)]   # (a, b/t) each
-    flat = torch.cat([y.reshape(-1) for y in oriented])                       # (L,)
-    t = group_size(group)
-    every = all_gather_last(flat, group, "optim").view(t, -1)                 # (t, L)
-    out, start = [], 0
-    for y, dim in zip(oriented, dims):
-        part = every[:, start:start + y.numel()].reshape(t, *y.shape)         # (t, a, b/t)
-        whole = torch.cat(list(part), dim=-1)                                 # (a, b)
-        out.append(whole.t() if dim == 0 else whole)
-        start += y.numel()
-    return out
-
-
-def all_to_all(x, sizes_out, sizes_in, group, phase):
-    """x cut in order into sizes_out[k] elements for rank k of the group; returns, in rank order,
-    what each rank cut for this one (sizes_in), concatenated (no autograd). The ledger counts
-    what this rank sends."""
-    LEDGER.record("all_to_all", group, x, phase)
-    out = x.new_empty(sum(sizes_in))
-    if NO_COMM:
-        return out.zero_()
-    name = LEDGER.names.get(id(group), "?")
-    with record_function(f"all_to_all {name} {phase} {x.numel()}"):
-        dist.all_to_all_single(out, x.contiguous(), sizes_in, sizes_out, group=group)
-    return out
-
-
-def owners(sizes, t):
-    """Each matrix's owner of t ranks: the largest first, each to the least loaded (ties: the
-    lowest rank), so every rank computes about 1/t of the work, the same on every rank."""
-    load, out = [0] * t, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        out[i] = min(range(t), key=lambda k: (load[k], k))
-        load[out[i]] += sizes[i]
-    return out
-
-
-def owner_computes(blocks, dims, group, fn, phase="optim"):
-    """This rank's slices of fn(whole matrices) for several pieces, each cut along its dim in
-    `dims` over `group`, each whole only on its owner (`owners`): one all-to-all sends every
-    rank's block of a matrix to its owner, the owner applies fn to its matrices (a list: same
-    shapes may be batched), a second all-to-all returns each rank its slice. Against gathering
-    every matrix on every rank: 2/t of the bytes, and 1/t of the work on each."""
-    t, me = group_size(group), group_rank(group)
-    ys = [x.t() if dim == 0 else x for x, dim in zip(blocks, dims)]      # (a, b/t): cut last
-    owner = owners([y.numel() for y in ys], t)
-    held = [[i for i in range(len(ys)) if owner[i] == k] for k in range(t)]
-    sizes = [sum(ys[i].numel() for i in idx) for idx in held]          # what each owner gets
-    got = all_to_all(torch.cat([ys[i].reshape(-1) for idx in held for i in idx]), sizes,
-                     [sizes[me]] * t, group, phase)                    # (t · sizes[me],)
-    done = []
-    if held[me]:   # (a rank may own none)
-        parts = [p.split([ys[i].numel() for i in held[me]]) for p in got.split(sizes[me])]
-        done = fn([torch.cat([parts[k][j].view_as(ys[i]) for k in range(t)], -1)
-                   for j, i in enumerate(held[me])])                   # [(a, b)] whole
-    back = torch.cat([y.chunk(t, -1)[k].reshape(-1) for k in range(t) for y in done]).to(
-        ys[0].dtype) if done else ys[0].new_empty(0)                  # (every rank's slices)
-    mine = all_to_all(back, [sizes[me]] * t, sizes, group, phase).split(
-        [ys[i].numel() for idx in held for i in idx])
-    out = [None] * len(ys)
-    for i, y in zip([i for idx in held for i in idx], mine):
-        out[i] = y.view(ys[i].shape).t() if dims[i] == 0 else y.view(ys[i].shape)
-    return out
+    return local_ops.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]

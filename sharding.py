@@ -4,7 +4,8 @@ model's.
 BOOST (arXiv 2512.12131) sections 2-4 cut one model three ways (layouts.py). Every local parameter
 carries a `Spec`: which full-model parameters it is cut from, along which dim, and how many rows of
 each it holds. From the Specs alone a layout's model is cut (`Sharded.shard`), gathered back to the
-full model's names and shapes (`gather_full`, which checkpoints, exports and the tests use), and its
+full model's names and shapes (`gather_full`: the tests and tools compare with it; checkpoints keep
+each rank's local tensors, interchange.py's export builds the full names on one process), and its
 gradient norm counted once per parameter (`grad_norm_sq`). The gradients of a sharded model as one
 model's: the global norm and its clipping (`clip_grad_norm`), the tied embedding's gradient summed
 over its uses (`reduce_tied_grad`), the data-parallel mean where DDP is not used.
@@ -16,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import dp_shard
 from model import init_part
 from parallel import all_reduce
 
@@ -31,26 +31,19 @@ class Spec:
     rows: list
 
 
-LAYOUTS = ("btp", "vanilla", "megatron")   # (layouts.py builds each)
-
-
-def check_divisible(cfg, tp, layout, pp=1):
-    """A clear ValueError when the TP degree cannot split this model under this layout, or the
-    pipeline degree its layers."""
+def check_divisible(cfg, tp, lay, others, pp=1):
+    """A clear ValueError when the TP degree cannot split this model under the layout `lay` (a
+    layouts.Layout: which models it cuts, which sizes tp must divide), or the pipeline degree its
+    layers; `others`: the layouts that do cut this model, for the message."""
     if cfg.n_layer % pp:
         raise ValueError(f"n_layer={cfg.n_layer} cannot be split into pp={pp} equal stages")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout} is not one of {', '.join(LAYOUTS)}")
-    if layout == "megatron" and cfg.lowrank:
-        raise ValueError(f"layout=megatron is the dense baseline; arch={cfg.arch} uses btp or "
-                         "vanilla")
-    if layout != "megatron" and not cfg.lowrank:
-        raise ValueError(f"layout={layout} splits bottlenecks; arch=full uses layout=megatron")
-    splits = dict(attn_rank=cfg.attn_rank, mlp_rank=cfg.mlp_rank) if layout == "vanilla" else \
-        dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, mlp_width=cfg.mlp_width)
-    for name, value in splits.items():
-        if value % tp:
-            raise ValueError(f"tp={tp} does not divide {name}={value} (layout={layout})")
+    if lay.lowrank != cfg.lowrank:
+        raise ValueError(f"layout={lay.name} cuts {'bottleneck' if lay.lowrank else 'dense'} "
+                         f"models; arch={cfg.arch} uses {', '.join(others)}")
+    for name in lay.splits:
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={getattr(cfg, name)} "
+                             f"(layout={lay.name})")
     if cfg.vocab_size % tp:  # not an option: the tokenizer's vocabulary, padded
         raise ValueError(f"tp={tp} does not divide the vocabulary of {cfg.vocab_size} (the "
                          "tokenizer's, padded to a multiple of 64): use a tp that divides 64")
@@ -115,7 +108,7 @@ class Sharded(nn.Module):
 
     def grad_norm_sq(self):
         """Squared global gradient norm: sharded parameters summed over TP, replicated counted once;
-        under --dp_shard every gradient is also a dp shard (dp_shard.py): summed over dp too. One
+        under --dp_shard every gradient is also a dp shard (FSDP2's DTensor): summed over dp too. One
         torch._foreach_norm per kind (one kernel for many tensors, no copy of any gradient), the
         squares of the per-tensor norms summed in fp64."""
         params = dict(self.named_parameters())
@@ -125,10 +118,10 @@ class Sharded(nn.Module):
             if g is None or (name == "tok_emb" and self.tied and not self.first):
                 # (the tied embedding of the last stage is the first stage's: counted there)
                 continue
-            if dp_shard.is_sharded(g):
+            if is_sharded(g):
                 dp_group, g = g.device_mesh.get_group(), g.to_local()
             kinds["sharded" if spec.dim is not None else "replicated"].append(g)
-        device = dp_shard.local(next(self.parameters())).device
+        device = local(next(self.parameters())).device
         sharded, replicated = (torch.stack(torch._foreach_norm(gs)).double().pow(2).sum() if gs
                                else torch.zeros((), dtype=torch.float64, device=device)
                                for gs in kinds.values())
@@ -144,7 +137,7 @@ class Sharded(nn.Module):
 
 def clip_grad_norm(model, max_norm, pp_group=None):
     """torch.nn.utils.clip_grad_norm_ with the global norm over TP shards and pipeline stages."""
-    tp_model = getattr(model, "module", model)   # (a layouts.TPLlama, under DDP or not)
+    tp_model = getattr(model, "module", model)   # (a tp_model.TPLlama, under DDP or not)
     norm_sq = tp_model.grad_norm_sq()
     if pp_group is not None:
         dist.all_reduce(norm_sq, group=pp_group)  # the stages hold disjoint parameters
@@ -154,7 +147,7 @@ def clip_grad_norm(model, max_norm, pp_group=None):
     by_dtype = {}
     for p in tp_model.parameters():
         if p.grad is not None:
-            g = dp_shard.local(p.grad)
+            g = local(p.grad)
             by_dtype.setdefault(g.dtype, []).append(g)
     for dtype, gs in by_dtype.items():
         torch._foreach_mul_(gs, coef.to(dtype))
@@ -171,7 +164,7 @@ def all_reduce_grads(model, dp_group):
 
 def reduce_tied_grad(model, pp_group=None):
     """Tied embeddings: the gradient of the one matrix is the sum of its uses' parts, over the TP
-    ranks (each holds the gradient of the slices it used, layouts.TPLlama.embedding and head: the
+    ranks (each holds the gradient of the slices it used, tp_model.TPLlama.embedding and head: the
     embedding's d/t columns under btp, the head's V/t rows), then over the first and the last
     pipeline stage, which both hold it (middle stages add zeros). Afterwards every holder has the
     single-device gradient, so the copies stay equal step after step. A no-op for untied models."""
@@ -181,19 +174,19 @@ def reduce_tied_grad(model, pp_group=None):
     held = getattr(model, "tok_emb", None)
     if held is not None and held.grad is not None:
         # (under --dp_shard this rank's dp shard of it: the same rows on each TP rank)
-        summed = all_reduce(dp_shard.local(held.grad), model.tp.group, "grad")
-        if not dp_shard.is_sharded(held.grad):   # (a shard is summed in place)
+        summed = all_reduce(local(held.grad), model.tp.group, "grad")
+        if not is_sharded(held.grad):   # (a shard is summed in place)
             held.grad = summed
     if pp_group is None or dist.get_world_size(pp_group) == 1:
         return
     cfg = model.cfg
     # (under --dp_shard the same dp shard's rows on both)
-    rows = dp_shard.rows_held(model, cfg.vocab_size)
+    rows = rows_held(model, cfg.vocab_size)
     device = model.rope_cos.device
-    buf = dp_shard.local(held.grad) if held is not None else \
+    buf = local(held.grad) if held is not None else \
         torch.zeros(rows, cfg.n_embd, device=device)
     buf = all_reduce(buf, pp_group, "grad")   # (V, d), or this dp shard of its rows; in place
-    if held is not None and not dp_shard.is_sharded(held.grad):
+    if held is not None and not is_sharded(held.grad):
         held.grad = buf
 
 
@@ -216,4 +209,61 @@ def materialize(model, ref):
                 n = region[dim][1]
                 region[dim] = (k * n // t, (k + 1) * n // t)
             part = init_part(ref.init_rules[name], ref.init_seed, name, shape, *region)
-            dp_shard.write_rows(local, rows, part.view(-1, *shape[1:]) if dim != 1 else part)
+            write_rows(local, rows, part.view(-1, *shape[1:]) if dim != 1 else part)
+
+
+# ------------------------------------ a rank's dp shard of its part (FSDP2's DTensors, --dp_shard)
+# FSDP2 (extensions/dp_shard.py) cuts each TP-local parameter's dim 0 over dp as torch.chunk does;
+# what a rank's code reads of such a tensor is its own rows. Without --dp_shard every row.
+
+def is_sharded(t):
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """This rank's shard of a dp-sharded tensor (a plain tensor as it is)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def chunk_rows(n, dp):
+    """The rows a dp shard of n rows holds at most: ceil(n/dp), so the last ranks may hold fewer,
+    or none."""
+    return -(-n // dp)
+
+
+def shard_bounds(n, dp_rank, dp):
+    """(lo, hi): the rows of n that dp shard dp_rank of dp holds (chunk_rows a shard)."""
+    size = chunk_rows(n, dp)
+    lo = min(n, dp_rank * size)
+    return lo, min(n, lo + size)
+
+
+def rows_held(model, rows):
+    """How many of a tensor's `rows` rows this rank's dp shard holds."""
+    if getattr(model, "dp_shard", "none") == "none":
+        return rows
+    lo, hi = shard_bounds(rows, *model.dp_place)
+    return hi - lo
+
+
+def held(t, rows):
+    """(view, part): the rows `rows` (a slice) of the TP-local tensor t that this rank holds, as a
+    view of what it holds, and which of `rows` they are (a slice from 0); None where this rank's
+    dp shard holds none of them."""
+    if not is_sharded(t):
+        return t.data[rows], slice(0, rows.stop - rows.start)
+    mesh = t.device_mesh
+    lo, hi = shard_bounds(t.shape[0], mesh.get_local_rank(), mesh.size())
+    a, b = max(rows.start, lo), min(rows.stop, hi)
+    if a >= b:
+        return None
+    return t.to_local()[a - lo:b - lo], slice(a - rows.start, b - rows.start)
+
+
+def write_rows(param, rows, values):
+    """values into rows `rows` (a slice) of the TP-local parameter; under --dp_shard only the
+    rows this rank's shard holds."""
+    got = held(param, rows)
+    if got is not None:
+        got[0].copy_(values[got[1]])

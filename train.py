@@ -23,14 +23,15 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import dp_shard
-import kernels
-import muon
+from extensions import dp_shard
+import local_ops
+from extensions import muon
 from plumbing import preparation
 import sharding
 from model import estimate_mfu
 from parallel import LEDGER
-from plumbing import data, kernel_choice, options, placement, rundir, train_state
+from extensions import kernel_choice
+from plumbing import data, options, placement, rundir, train_state
 from plumbing.plan import resolve
 from plumbing.tokenizer import identity as tokenizer_identity, sample_at_end
 
@@ -128,7 +129,7 @@ def train(plan, argv, resume, interrupt):
     run.damaged = skipped   # removed at the first save: they hold nothing to resume from
     log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
         f"dp={plan.dp} pp={tc.pp} tp={tc.tp}" + (f" ({plan.layout})" if tc.tp > 1 else "") +
-        kernels.describe(place.device) +
+        local_ops.describe(place.device) +
         f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}, {place.threads}")
     log(f"options: {options.chosen(cfg, tc)}")
     if optimizer.said:   # (Muon's collectives over TP, as chosen)

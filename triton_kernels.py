@@ -1,7 +1,7 @@
-"""triton_kernels.py: the Triton kernels behind kernels.py, their tile configurations per GPU, and
+"""triton_kernels.py: the Triton kernels behind local_ops.py, their tile configurations per GPU, and
 their launches.
 
-BOOST (arXiv 2512.12131) sections 3-4; what each kernel computes is kernels.py's docstring. The
+BOOST (arXiv 2512.12131) sections 3-4; what each kernel computes is local_ops.py's docstring. The
 GEMM-shaped kernels (the fused online-RMSNorm + down-projection, its input gradient, the grouped
 GEMM) are `triton.autotune`d on CUDA over a short list of tile configurations for the GPU's
 architecture (A100, sm_80: BK 32, cp.async pipelines of 3-4 stages; H100/H200, sm_90: BK 64 for
@@ -236,7 +236,7 @@ KERNELS = {
     "grouped_mm": (_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"],
                    {}),
 }
-# the grouped products kernels.py launches (the weight gradients, which reduce over every token,
+# the grouped products local_ops.py launches (the weight gradients, which reduce over every token,
 # are cuBLAS's)
 CALLS = ("up", "dz")
 # the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here

@@ -13,9 +13,10 @@ difference is one layer's.
 import torch
 import torch.distributed as dist
 
-import kernels
-import muon
-import pipeline
+import local_ops
+from extensions import muon
+from extensions import pipeline
+from extensions import schedule_sim
 
 from plumbing import placement
 from plumbing.notation import Names
@@ -88,7 +89,7 @@ def unnamed_length(cfg, b):
 def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
     """One layer of `arch` under `layout` on this TP group, measured as the difference of a two- and
     a one-layer model: (TP elements fwd, bwd, collectives, saved bytes, FLOPs) per token."""
-    import layouts
+    from tp_model import TPLlama
     from model import Config, Llama
     rows = []
     for n_layer in (1, 2):
@@ -96,7 +97,7 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
                       "lax": cfg.lax and arch != "full",
                       "mlp_gate": cfg.mlp_gate if arch == cfg.arch else "auto"})
         torch.manual_seed(0)
-        model = layouts.TPLlama(Llama(c), tp, layout, recompute=recompute)
+        model = TPLlama(Llama(c), tp, layout, recompute=recompute)
         model.to(device)   # on the run's device: NCCL takes no CPU tensors
         x = torch.randint(0, c.vocab_size, (b, s),
                           generator=torch.Generator().manual_seed(0)).to(device)
@@ -110,9 +111,11 @@ def per_layer(cfg, layout, arch, tp, recompute, b, s, device):
 
 
 def comparison(cfg, tc, tp, layout, b, s, device):
-    """The three layouts of the paper at this width, one layer each, side by side."""
+    """The layouts (the paper's three) at this width, one layer each, side by side."""
+    import layouts
     low = cfg.arch if cfg.lowrank else "cola"
-    cases = [("megatron", "full"), ("vanilla", low), ("btp", low)]
+    cases = [(name, low if lay.lowrank else "full")
+             for name, lay in reversed(layouts.LAYOUTS.items())]
     lax = " (LaX: layer 1, which crosses, minus layer 0)" if cfg.lax else ""
     lines = [f"  one layer at this width (d={cfg.n_embd}, r={cfg.attn_rank}, tp={tp.size}), per "
              f"token, measured{lax}:",
@@ -180,7 +183,7 @@ def report(cfg, tc, place, layout, shape, views, sums, compare):
           + (" (one micro-batch through the stages)" if tc.pp > 1 else "")
           + ", recorded (t = tp degree)"
           + ("; the Triton kernels are shown as the PyTorch reference ops they fuse"
-                                            if kernels.backend() != "torch" else ""))
+                                            if local_ops.backend() != "torch" else ""))
     print(f"\nrank 0 ({where(coords)}), in execution order:")
     print("\n".join(view))
     for r, (c, v, _) in enumerate(views[1:], 1):
@@ -200,16 +203,16 @@ def report(cfg, tc, place, layout, shape, views, sums, compare):
 
 def schedule_lines(tc, n_micro):
     """The pipeline schedule's actions on each pp rank, in order, and each rank's idle share as
-    pipeline.timeline models it (forward 1, backward 2 or its halves 1 and 1; sends free)."""
+    schedule_sim.timeline models it (forward 1, backward 2 or its halves 1 and 1; sends free)."""
     v = tc.pp_virtual_stages
-    acts = pipeline.order(tc.pp_schedule, tc.pp, n_micro, v)
-    share = pipeline.idle(pipeline.timeline(acts))
+    acts = schedule_sim.order(tc.pp_schedule, tc.pp, n_micro, v)
+    share = schedule_sim.idle(schedule_sim.timeline(acts))
     lines = [f"\nthe schedule: {tc.pp_schedule} over pp={tc.pp} ranks, {n_micro} micro-batches, "
              f"{len(pipeline.stages_of(0, tc.pp, v, tc.pp_schedule))} stage(s) a rank",
              "  (2F1: stage 2's forward of micro-batch 1; B a whole backward, I and W its input "
              "and weight halves)",
-             "  idle share as modelled (pipeline.timeline: F 1, B 2, I and W 1 each, sends free); "
-             f"the textbook 1F1B bubble (p-1)/(m+p-1) = {(tc.pp - 1) / (n_micro + tc.pp - 1):.2f}"]
+             "  idle share as modelled (schedule_sim.timeline: F 1, B 2, I and W 1 each, sends "
+             f"free); the textbook 1F1B bubble (p-1)/(m+p-1) = {(tc.pp - 1) / (n_micro + tc.pp - 1):.2f}"]
     for r, a in acts.items():
         lines.append(f"  pp rank {r} (idle {share[r]:.2f}): "
                      + " ".join(str(x) for x in a if x is not None))

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from checkpointing import RECOMPUTE
-import dp_shard
-import kernels
+from recompute import RECOMPUTE
+from extensions import dp_shard
+import local_ops
 from plumbing import preparation
-import sharding
+import layouts
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
 from plumbing import data, train_state
@@ -87,8 +87,8 @@ class TrainConfig:
     # 1f1b | gpipe | interleaved_1f1b | zero_bubble | zbv | dualpipev (docs/pipelines.md)
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1  # stages a rank: interleaved_1f1b, zero_bubble any; zbv, dualpipev 2
-    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (checkpointing.py)
-    kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (kernels.py)
+    recompute: str = "none"  # activation checkpointing: none | layer | lowrank (recompute.py)
+    kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (local_ops)
     # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
     overlap: bool = True
     # none (DDP) | grad (FSDP2, ZeRO-2 style) | full (ZeRO-3 style): dp_shard.py
@@ -106,10 +106,10 @@ class TrainConfig:
 
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
-           "layout": ("auto",) + sharding.LAYOUTS,
+           "layout": ("auto", *layouts.LAYOUTS),
            "recompute": RECOMPUTE,
            "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"),
-           "kernels": kernels.BACKENDS,
+           "kernels": local_ops.BACKENDS,
            "dp_shard": dp_shard.MODES, "optimizer": ("adamw", "muon"),
            "muon_mode": ("auto", "gram", "gather", "owner")}
 FAULTS = ("kill", "nan", "kill_in_save")

@@ -3,7 +3,8 @@
 BOOST (arXiv 2512.12131) section 3 places a model on a (dp, pp, tp) mesh of processes; this is the
 step of train.py that does it: the process group and the mesh under torchrun (NCCL on GPUs, gloo
 elsewhere), this rank's coordinates in it, and this rank's part of the single-device model
-(layouts.TPLlama cuts it). explain.py and tools/bench_gpu.py build their models here too.
+(TPLlama cuts it). explain.py and tools/bench_gpu.py build their models here too. Importing
+it wires in the extensions a run may use: LaX's layers and the Triton side of the local ops.
 """
 import os
 import sys
@@ -15,14 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import dp_shard
-import kernels
-import layouts
+
+from tp_model import TPLlama
+import local_ops
 import parallel
-import pipeline
+from extensions import pipeline
 import sharding
+from extensions import dp_shard, kernel_choice
+from extensions import lax_layers  # noqa: F401  (registers LaX's extension of the layers)
 from model import Llama
-from plumbing import kernel_choice
 
 
 @dataclass
@@ -108,7 +110,7 @@ def build_model(plan, place, init=True):
     """The model this rank trains, and the full model's parameter and FLOP counts, in the order
     torchtitan's parallelize step takes: the single-device reference on the meta device (shapes
     and initialisation rules only, its init_seed drawn after torch.manual_seed(seed)) -> its
-    counts -> this rank's layout of it (layouts.TPLlama: its TP shard and pipeline stage, at tp=1
+    counts -> this rank's layout of it (TPLlama: its TP shard and pipeline stage, at tp=1
     a TP group of one, btp for low-rank and megatron for dense) -> FSDP2 over dp (--dp_shard) ->
     memory on the device for this rank's part alone -> its values drawn (sharding.materialize:
     this rank's tiles alone, the values of the reference built whole from the seed, so every
@@ -121,7 +123,7 @@ def build_model(plan, place, init=True):
         ref = Llama(cfg)
     counts = ref.num_params(), ref.flops_per_token(cfg.block_size)
     held = pipeline.stages_of(place.pp_rank, tc.pp, tc.pp_virtual_stages, tc.pp_schedule)
-    model = layouts.TPLlama(ref, place.tp, plan.layout, stage=held, stages=tc.pp * len(held),
+    model = TPLlama(ref, place.tp, plan.layout, stage=held, stages=tc.pp * len(held),
                             recompute=tc.recompute)
     if tc.dp_shard != "none":   # FSDP2 over the dp ranks, before the optimizer sees the parameters
         dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, plan.dtype, parallel.LEDGER)
@@ -142,10 +144,10 @@ def hardware_flops_per_token(cfg, layout, recompute):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     with torch.random.fork_rng(devices=[]), torch.device("meta"):   # (Llama draws its seed)
-        model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), layout,
+        model = TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), layout,
                                 recompute=recompute)
         idx = torch.zeros(1, cfg.block_size, dtype=torch.long)                   # (1, s)
-        with sdpa_kernel(SDPBackend.MATH), kernels.reference(), \
+        with sdpa_kernel(SDPBackend.MATH), local_ops.reference(), \
                 FlopCounterMode(display=False) as counter:
             model(idx, idx)[1].backward()
     return counter.get_total_flops() / cfg.block_size
@@ -167,7 +169,7 @@ def wrap(raw_model, tc, place, n_micro, warm=None):
                     device_ids=[place.device] if cuda else None)
         model.register_comm_hook(place.group("dp"), ledger_ddp_hook)
     if tc.compile:
-        if warm is not None and kernels.backend() == "auto":
+        if warm is not None and local_ops.backend() == "auto":
             warm()
         model = torch.compile(model)
     return model, None

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpointing import check_recompute
-import pipeline
-import sharding
+from recompute import check_recompute
+import layouts
+from extensions import pipeline
 from model import Config
 from plumbing import options, rundir, train_state
 from plumbing.options import TrainConfig
@@ -62,8 +62,8 @@ def make(cfg, tc, world):
     if tc.gradient_accumulation_steps % dp:
         raise ValueError(f"gradient_accumulation_steps={tc.gradient_accumulation_steps} is not "
                          f"divisible by the {dp} data-parallel ranks")
-    layout = tc.layout if tc.layout != "auto" else ("btp" if cfg.lowrank else "megatron")
-    sharding.check_divisible(cfg, tc.tp, layout, tc.pp)
+    layout = tc.layout if tc.layout != "auto" else layouts.default_layout(cfg)
+    layouts.check_divisible(cfg, tc.tp, layout, tc.pp)
     n_micro = tc.gradient_accumulation_steps // dp
     if tc.pp > 1 or tc.pp_virtual_stages > 1:
         check_pipeline(cfg, tc, n_micro, dp)

@@ -18,38 +18,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-import dp_shard
-import kernels
+from extensions import dp_shard
+import local_ops
+from layouts import LAYOUTS
 from parallel import LEDGER
 
 ATTENTION = "scaled_dot_product"
 GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.")
-PREFER = {"btp": ("3r+1", "2r+1", "2r_m+1", "3r", "2r", "2r_m", "r", "r_m", "d"),
-          "megatron": ("d",),
-          "vanilla": ("d", "kv", "f")}   # the symbols of each layout's collectives
-# what each collective carries, by layout, phase and width per token (the numbers are recorded)
-CARRIES = {("btp", "fwd", "3r+1"): "q, k, v latents + the norm statistic (online RMSNorm)",
-           ("btp", "fwd", "2r+1"): "gate, up latents + the norm statistic",
-           ("btp", "fwd", "r"): "a partial latent",
-           ("btp", "bwd", "3r"): "gradient of the q, k, v latents",
-           ("btp", "bwd", "2r"): "gradient of the gate, up latents",
-           ("btp", "bwd", "r"): "gradient of a latent",
-           ("btp", "fwd", "d"): "the residual stream, gathered for the head",
-           ("megatron", "fwd", "d"): "partial sums of o or down (row-parallel)",
-           ("megatron", "bwd", "d"): "gradient of the normed input (column-parallel)",
-           ("vanilla", "fwd", "d"): "partial sums of a row-parallel B",
-           ("vanilla", "bwd", "d"): "gradient of an A's input",
-           ("vanilla", "fwd", "kv"): "partial sums of B_k or B_v",
-           ("vanilla", "fwd", "f"): "partial sums of B_gate or B_up",
-           ("vanilla", "bwd", "f"): "gradient of A_down's input",
-           ("btp", "bwd", "d"): "gradient of the head's input",
-           **{("vanilla", "bwd", w): "gradient of latents gathered for LaX's crossing"
-              for w in ("r", "2r", "3r")},
-           **{(lay, "fwd", "1"): "cross-entropy over the vocabulary shards: max, target logit, Σexp"
-              for lay in ("btp", "megatron", "vanilla")}}
-GATHERS = {"btp": "the residual stream, gathered for the head",   # (TP's all-gathers, by layout)
-           "vanilla": "a projection's latent, gathered from its r/t slices for the next layer's "
-                      "crossing (LaX)"}
+# what each layout's collectives carry, by phase and width per token: its record in layouts.py
+# (symbols, carries, gathers); the cross-entropy's are every layout's
+CROSS_ENTROPY = "cross-entropy over the vocabulary shards: max, target logit, Σexp"
+GATHERED = ("3r", "2r", "2r_m", "r", "r_m", "d")   # the widths a TP all-gather may carry
 FSDP = {"all_gather": "a unit's parameters for the next ops, gathered over dp (FSDP2)",
         "reduce_scatter": "its gradients, summed and cut over dp (FSDP2)"}
 # --optimizer=muon's collectives (muon.py), by op and group
@@ -68,7 +47,7 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.names, self.layout, self.events, self.pending = names, layout, [], []
         self.section = "embedding"
-        specs = dict(model.named_specs())   # (a layouts.TPLlama: every run trains one)
+        specs = dict(model.named_specs())   # (a tp_model.TPLlama: every run trains one)
         self.model, self.labels, self.grads, self.flops = model, {}, {}, 0
         first = int(model.layers[0].label.split()[-1])   # (a pipeline stage's first layer)
         for full_name, p in model.named_parameters():
@@ -176,15 +155,17 @@ class Recorder(TorchDispatchMode):
         fsdp = op in FSDP and group == "dp" and not optim   # (FSDP2's run over dp, TP's over tp)
         per_token = tensor.numel() % tokens == 0 and phase not in ("grad", "optim") and not fsdp
         gather = op == "all_gather" and not fsdp
-        prefer = ("d/t", "d") if op == "send" else PREFER["btp" if gather else self.layout] \
-            if self.layout in PREFER else ()
+        lay = LAYOUTS.get(self.layout)   # (None on one device: no TP collective to name)
+        prefer = ("d/t", "d") if op == "send" else GATHERED if gather else \
+            lay.symbols if lay else ()
         width = self.names.size(tensor.numel() // tokens, prefer) if per_token else "-"
         carries = "the residual stream to the next stage" if op == "send" and phase == "fwd" else \
             "its gradient back to the previous stage" if op == "send" else FSDP[op] if fsdp else \
             OPTIM.get((op, group), "") if optim else \
-            GATHERS.get(self.layout, "") if gather else \
-            next((CARRIES[(self.layout, phase, w)] for w in width.split("=")
-                  if (self.layout, phase, w) in CARRIES), "")
+            (lay.gathers if lay else "") if gather else \
+            CROSS_ENTROPY if (phase, width) == ("fwd", "1") and lay else \
+            next((lay.carries[(phase, w)] for w in width.split("=")
+                  if lay and (phase, w) in lay.carries), "")
         text = (f"{group}: " + (f"{width} per token = " if per_token else "")
                 + f"{tensor.numel():,} elements"
                 + (f"  [{carries}]" if carries else ""))
@@ -217,7 +198,7 @@ def record(model, x, y, names, layout, pipe=None, ddp=None, optimizer=None):
     saved = SectionBytes(model, recorder)
     try:
         # (the fused kernels compute what the references do)
-        with saved, recorder, kernels.reference():
+        with saved, recorder, local_ops.reference():
             run_step(model, x, y, pipe, ddp)
         if optimizer is not None:
             recorder.section = "optimizer step"

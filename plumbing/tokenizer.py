@@ -337,7 +337,7 @@ def sample_at_end(run):
     """train.py's sample at the end of a run (every TP rank runs the forward; rank 0 prints), said
     before it starts: without a KV cache each token reruns the model on the whole context."""
     import torch
-    import kernels
+    import local_ops
     tc = run.tc
     if tc.sample_tokens > 0 and run.pipe:
         run.log("no sample under pp > 1: export the checkpoint, then python interchange.py sample")
@@ -345,6 +345,6 @@ def sample_at_end(run):
         return
     run.log(f"sampling {tc.sample_tokens} tokens (--sample_tokens=0: none)")
     torch.manual_seed(tc.seed)
-    with run.autocast, kernels.reference():   # M = 1..200 rows: too few for the kernels
+    with run.autocast, local_ops.reference():   # M = 1..200 rows: too few for the kernels
         run.log("sample:\n" + sample_text(run.raw_model, load(tc.tokenizer), tc.sample_tokens,
                                           run.place.device))

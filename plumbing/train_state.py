@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import dp_shard
+from extensions import dp_shard
 import model as llama
 from plumbing import integrity
 from plumbing.tokenizer import identity as tokenizer_identity

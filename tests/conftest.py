@@ -198,9 +198,9 @@ TP_CASES = [("full", "megatron"), ("svd", "btp"), ("cola", "btp"), ("svd", "vani
 def group_of_one(ref, recompute="none", layout=None):
     """The model train.py trains at tp=1: ref's layout with a TP group of one (btp for low-rank,
     megatron for dense), with activation checkpointing `recompute`."""
-    import layouts
+    from tp_model import TPLlama
     layout = layout or ("btp" if ref.cfg.lowrank else "megatron")
-    return layouts.TPLlama(ref, parallel.TPGroup(None, 0, 1), layout, recompute=recompute)
+    return TPLlama(ref, parallel.TPGroup(None, 0, 1), layout, recompute=recompute)
 
 
 def small_cfg(arch, n_layer=2, **extra):

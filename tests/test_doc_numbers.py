@@ -147,7 +147,7 @@ def test_models_md_worked_example_counts_are_the_codes():
 
 def test_muon_md_counts_are_the_codes():
     """docs/muon.md's default run: the matrices Muon takes and their parameters, of the model's."""
-    import muon
+    from extensions import muon
     cfg, _ = options.parse_args([])
     cfg.vocab_size = options.vocab_size("bytes")
     with torch.device("meta"):

@@ -1,16 +1,21 @@
 """test_docs.py: the repository keeps the shape its README promises a reader: the README a map of at
-most 250 lines whose reading order (with true line counts) is on its first screen, docs/ pages under
+most 250 lines whose reading order (with true line counts) is on its first screen, the story at
+the root importing no folder, no root name shadowing a package, docs/ pages under
 300 lines, every code file under 400 lines (tests 500) with functions under 60, each opening with a
 docstring that names it, no import cycle, and nothing pointing at a document outside the repository.
 """
 import ast
+import os
 import re
+from pathlib import Path
 
 from conftest import ROOT
 
-CORE = ("model.py", "layouts.py", "sharding.py", "parallel.py", "pipeline.py", "kernels.py", "kernel_ops.py",
-        "triton_kernels.py",
-        "checkpointing.py", "lax.py", "dp_shard.py", "muon.py", "train.py")
+# BOOST's story, in the README's reading order, and the commands a user types
+STORY = ("model.py", "lax.py", "layouts.py", "tp_model.py", "sharding.py", "parallel.py", "local_ops.py",
+         "triton_kernels.py", "recompute.py")
+COMMANDS = ("train.py", "prepare.py", "interchange.py")
+EXTENSIONS = tuple(sorted(p.name for p in (ROOT / "extensions").glob("*.py") if p.name != "__init__.py"))
 SKIP = {".venv", ".git", "data", "__pycache__", ".pytest_cache", "bench-results"}
 
 
@@ -28,10 +33,12 @@ def test_readme_is_a_map_with_the_reading_order_first():
     assert len(readme) <= 250, len(readme)
     start = next(i for i, line in enumerate(readme) if line.startswith("## Read the code in this order"))
     assert start < 40, start   # on the first screen
-    for name in CORE:
+    for name in (*STORY, "train.py", *(f"extensions/{e}" for e in EXTENSIONS)):
         row = next((line for line in readme if line.startswith(f"| [`{name}`]")), None)
         assert row, f"{name} is not in the reading order"
         assert int(row.split("|")[2]) == lines(ROOT / name), f"README says {row.split('|')[2]} lines for {name}"
+    story_rows = [i for i, line in enumerate(readme) for name in STORY if line.startswith(f"| [`{name}`]")]
+    assert story_rows == sorted(story_rows), "the story's table is not in the reading order"
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"(docs/{page.name})" in "\n".join(readme), f"README does not link docs/{page.name}"
         assert lines(page) <= 300, (page.name, lines(page))
@@ -63,41 +70,88 @@ def test_every_file_opens_with_a_docstring_naming_it():
 
 
 def imports(path):
-    """The project modules a file imports, at its top or inside functions."""
+    """The project modules a file imports, at its top or inside functions (a package's modules by
+    their names, as the root's)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
+            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith(PACKAGES)}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
-            if node.module == "plumbing":   # the package's modules by their names, as the root's
+            if node.module in PACKAGES:
                 names |= {a.name for a in node.names}
-            elif node.module.startswith("plumbing."):
+            elif node.module.startswith(tuple(p + "." for p in PACKAGES)):
                 names.add(node.module.split(".")[1])
     return names
 
 
-STORY = [name for name in CORE if name != "train.py"]
-COMMANDS = ("train.py", "prepare.py", "interchange.py")
+PACKAGES = ("plumbing", "extensions")
 
 
-def test_the_root_holds_the_story_and_the_commands_and_the_story_no_plumbing():
-    """At the root only the story and the commands (at most 15 files); what a run needs around them
-    is the plumbing package, which no story file imports (nor a command), and which imports no
-    command; model.py, the reference, imports only torch, the standard library and lax.py; of the
-    story, only sharding.py and muon.py import dp_shard.py."""
+def test_the_root_holds_the_story_and_the_commands_and_the_story_imports_no_folder():
+    """At the root only BOOST's story and the three commands (at most 12 files, the story at most
+    2,400 lines); what the project adds beyond the paper is extensions/ and what a run needs
+    around them plumbing/, neither imported by a story file; model.py, the reference, imports only
+    torch, the standard library and lax.py, and lax.py nothing of the project."""
     root = sorted(p.name for p in ROOT.glob("*.py"))
-    assert root == sorted([*STORY, *COMMANDS]) and len(root) <= 15, root
-    assert (ROOT / "plumbing" / "__init__.py").exists()
+    assert root == sorted([*STORY, *COMMANDS]) and len(root) <= 12, root
+    assert sum(lines(ROOT / name) for name in STORY) <= 2400
+    folders = {*PACKAGES, "tools", "tests", *(c[:-3] for c in COMMANDS)}
+    folders |= {p.stem for d in PACKAGES for p in (ROOT / d).glob("*.py")}
     for name in STORY:
-        assert not imports(ROOT / name) & {"plumbing", *(c[:-3] for c in COMMANDS)}, name
+        assert not imports(ROOT / name) & folders, (name, imports(ROOT / name) & folders)
     import sys
     outside = imports(ROOT / "model.py") - set(sys.stdlib_module_names) - {"torch", "lax"}
     assert not outside, outside
-    for name in STORY:   # FSDP stands beside the story: only these two meet its DTensors
-        assert "dp_shard" not in imports(ROOT / name) or name in ("sharding.py", "muon.py"), name
+    assert not imports(ROOT / "lax.py") - set(sys.stdlib_module_names) - {"torch"}
     for path in sorted((ROOT / "plumbing").glob("*.py")):   # the arrows run from commands down
         assert not imports(path) & {c[:-3] for c in COMMANDS}, f"plumbing/{path.name} imports a command"
+
+
+def test_importing_the_reference_loads_no_collective_layout_or_triton():
+    """`import model` in a fresh interpreter: of the project only model and lax, and nothing of
+    Triton (TRITON_INTERPRET unset: the kernels' side sets it when imported)."""
+    import subprocess
+    import sys
+    code = ("import os, sys; import model; print(sorted(m for m in sys.modules if m in {names})); "
+            "print([m for m in sys.modules if m.split('.')[0] == 'triton']); "
+            "print(os.environ.get('TRITON_INTERPRET'))")
+    project = sorted(p.stem for p in ROOT.glob("*.py")) + list(PACKAGES)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code.format(names=project)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    assert out == ["['lax', 'model']", "[]", "None"], out
+
+
+def test_a_layouts_name_is_written_in_at_most_three_code_files():
+    """Every layout is one record in layouts.py that the rest reads: its name, a string literal,
+    stands in at most three code files outside tests/ and tools/."""
+    import layouts
+    for name in layouts.LAYOUTS:
+        holders = [str(p.relative_to(ROOT)) for p in code_files()
+                   if p.relative_to(ROOT).parts[0] not in ("tests", "tools")
+                   and any(isinstance(n, ast.Constant) and n.value == name
+                           for n in ast.walk(ast.parse(p.read_text())))]
+        assert "layouts.py" in holders and len(holders) <= 3, (name, holders)
+
+
+def test_no_root_name_shadows_a_package_the_ecosystem_imports():
+    """A module at the root (or a folder) named like a package that transformers, lm-eval,
+    accelerate or torch import (kernels, say) is what `import kernels` finds when they run from
+    the project's folder: the names they import, read from their sources, and the ones their
+    optional integrations try, meet none of ours."""
+    import importlib.util
+    ours = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()
+                                                   and (p / "__init__.py").exists()}
+    imported = {"kernels", "flash_attn", "liger_kernel", "deepspeed", "apex", "bitsandbytes"}
+    for package in ("transformers", "lm_eval", "accelerate", "torch"):
+        spec = importlib.util.find_spec(package)
+        for path in Path(spec.origin).parent.rglob("*.py"):
+            text = path.read_text(errors="replace")
+            imported |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", text, re.M))
+            imported |= set(re.findall(r"""(?:is_package_available|find_spec|import_module)\(\s*["']([A-Za-z_]\w*)""", text))
+    assert not ours & imported, ours & imported
 
 
 def test_no_import_cycles():

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dp_shard
-import layouts
+from extensions import dp_shard
+from tp_model import TPLlama
 import parallel
-import pipeline
+from extensions import pipeline
 import sharding
-from checkpointing import RECOMPUTE
+from recompute import RECOMPUTE
 from model import Llama
 from plumbing import placement
 from conftest import TINY, expect_error, losses, metrics, run_train, small_cfg, spawn, torchrun
@@ -55,7 +55,7 @@ def _equivalence_worker(rank, world, tp_size):
         idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
         loss = ref(idx, idx)[1]
         loss.backward()
-        model = layouts.TPLlama(ref, tp, layout, recompute=recompute)
+        model = TPLlama(ref, tp, layout, recompute=recompute)
         dp_shard.apply(model, mesh["dp"], mode, "float32", parallel.LEDGER)
         share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
         parallel.LEDGER.reset()
@@ -95,7 +95,7 @@ def _check_mixed_precision(mesh, tp, dp_rank, dp):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = ref(idx, idx)[1]
     loss.backward()
-    model = dp_shard.apply(layouts.TPLlama(ref, tp, "btp"), mesh["dp"], "grad", "bfloat16",
+    model = dp_shard.apply(TPLlama(ref, tp, "btp"), mesh["dp"], "grad", "bfloat16",
                            parallel.LEDGER)
     share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
     parallel.LEDGER.reset()
@@ -140,7 +140,7 @@ def _pipeline_worker(rank, world):
         idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
         loss = ref(idx, idx)[1]
         loss.backward()
-        stage = layouts.TPLlama(ref, tp, layout, stage=pp_rank, stages=2, recompute=recompute)
+        stage = TPLlama(ref, tp, layout, stage=pp_rank, stages=2, recompute=recompute)
         dp_shard.apply(stage, mesh["dp"], mode, "float32", parallel.LEDGER)
         pipe = pipeline.Pipeline(stage, mesh, 2, schedule, "cpu")
         parallel.LEDGER.reset()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from plumbing.recorder import SavedBytes
-import muon
+from extensions import muon
+import layouts
 from layouts import per_layer_traffic
 from model import Llama
 from plumbing import options
@@ -109,8 +110,8 @@ def test_every_collective_is_labelled_with_its_real_role(layout):
     recorder.Recorder.collective(rec, "all_gather", "dp", "grad", torch.zeros(1000), 128)
     recorder.Recorder.collective(rec, "reduce_scatter", "dp", "grad", torch.zeros(1000), 128)
     tp, gather, scatter = (e[3] for e in rec.events)
-    assert "FSDP" not in tp and tp.endswith(f"[{recorder.GATHERS.get(layout, '')}]" if layout in
-                                            recorder.GATHERS else "elements"), tp
+    want = layouts.LAYOUTS[layout].gathers
+    assert "FSDP" not in tp and tp.endswith(f"[{want}]" if want else "elements"), tp
     assert "gathered over dp (FSDP2)" in gather and "cut over dp (FSDP2)" in scatter
     if layout == "vanilla":
         recorder.Recorder.collective(rec, "all_reduce", "tp", "bwd", torch.zeros(128 * r), 128)

@@ -1,7 +1,7 @@
 """test_gpu_path.py: the mechanisms of the CUDA path that reproduce on a CPU: --kernels=auto choosing
 alike on every rank, shapes timed before torch.compile traces, autotune keys bucketed, int64 element
 offsets in the Triton kernels, the non-finite check that never waits for the device, and the fixes
-of a reading of every CUDA path that a CPU can show (kernels.py, triton_kernels.py, train.py,
+of a reading of every CUDA path that a CPU can show (local_ops.py, triton_kernels.py, train.py,
 sharding.py, tools/gpu_check.py; BOOST arXiv 2512.12131 sections 3-4).
 """
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import kernels   # first: it imports triton_kernels, which sets TRITON_INTERPRET=1 without CUDA
-from plumbing import kernel_choice
+import local_ops   # first: it imports triton_kernels, which sets TRITON_INTERPRET=1 without CUDA
+from extensions import kernel_choice
 import train
 import triton
 import triton.language as tl
@@ -25,8 +25,8 @@ def _choose(tp_rank, world, out):
     kernel_choice._time = lambda fn, args, name: forced[name]   # (forward ms, backward ms)
     kernel_choice.select("torch", "cpu")
     kernel_choice.agree_over(dist.group.WORLD if out == "agreed" else None)
-    with kernels.using("auto"):
-        mine = kernels._which("rms_norm", lambda: "≤16x32", None, (torch.zeros(16, 32),))
+    with local_ops.using("auto"):
+        mine = local_ops._which("rms_norm", lambda: "≤16x32", None, (torch.zeros(16, 32),))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if out == "agreed":   # the mean times: triton 2.5 ms, torch 1.5 ms on both ranks
@@ -43,7 +43,7 @@ def test_auto_chooses_alike_on_every_rank(mode):
 def test_autotune_and_auto_keys_bucket_the_token_count():
     """Sampling's M = 1..200: the autotuners' keys and auto's shape keys round M up to a power of two."""
     assert [tk.bucket(m) for m in (1, 2, 3, 5, 100, 128, 129, 200)] == [1, 2, 4, 8, 128, 128, 256, 256]
-    keys = {kernels._rows(torch.zeros(m, 8)) for m in range(65, 129)}
+    keys = {local_ops._rows(torch.zeros(m, 8)) for m in range(65, 129)}
     assert keys == {"≤128"}
 
 
@@ -96,17 +96,17 @@ def test_compile_with_auto_times_every_shape_in_an_eager_step_first(tmp_path, da
     one eager forward and backward has timed every op and shape the step runs (forced here with the
     reference chosen: a CPU has no CUDA for auto, and compiling takes minutes)."""
     at_compile = {}
-    monkeypatch.setattr(kernels, "select", lambda mode, device: setattr(kernels, "_backend", "auto"))
+    monkeypatch.setattr(local_ops, "select", lambda mode, device: setattr(local_ops, "_backend", "auto"))
     monkeypatch.setattr(kernel_choice, "_time", lambda fn, args, name: {"triton": (2.0, 2.0), "torch": (1.0, 1.0)}[name])
-    monkeypatch.setattr(torch, "compile", lambda model: (at_compile.setdefault("chosen", kernels.chosen()), model)[1])
-    kernels._choices.clear()
+    monkeypatch.setattr(torch, "compile", lambda model: (at_compile.setdefault("chosen", local_ops.chosen()), model)[1])
+    local_ops._choices.clear()
     try:
         train.main([f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, "--max_iters=2", "--compile=true",
                     "--kernels=auto"])
-        timed = kernels.chosen()
+        timed = local_ops.chosen()
     finally:
-        kernels._backend = "torch"
-        kernels._choices.clear()
+        local_ops._backend = "torch"
+        local_ops._choices.clear()
     assert at_compile["chosen"] == timed   # training met no shape the warm-up had not timed
     ops = {op for op, key in at_compile["chosen"]}
     assert ops == {"norm_down", "grouped_up", "rms_norm"}, at_compile
@@ -124,9 +124,9 @@ def test_norm_down_and_rms_norm_keep_an_fp32_residual_under_autocast():
     got, want = {}, {}
     for impl, out in (("triton", got), ("torch", want)):
         x.grad = None
-        with kernels.using(impl), torch.autocast("cpu", dtype=torch.bfloat16):
-            H, S = kernels.norm_down(x, gamma, A)
-            y = kernels.rms_norm(x, gamma, 1e-5)
+        with local_ops.using(impl), torch.autocast("cpu", dtype=torch.bfloat16):
+            H, S = local_ops.norm_down(x, gamma, A)
+            y = local_ops.rms_norm(x, gamma, 1e-5)
         (H.float().sum() + S.sum() + y.sum()).backward()
         out.update(H=H, S=S, y=y, dx=x.grad)
     assert got["S"].dtype == torch.float32 and got["y"].dtype == torch.float32 and got["dx"].dtype == torch.float32
@@ -313,7 +313,7 @@ LAX_CASE = ("cola", "btp", dict(lax=True), "lowrank")
 def _graphs(tp_rank, world, out=None):
     """{(layout, kernels): (graphs, breaks)} of torch._dynamo.explain over a training forward
     (the loss) at this TP degree; the Triton kernels interpreted."""
-    import layouts
+    from tp_model import TPLlama
     import parallel
     from conftest import small_cfg
     from model import Llama
@@ -322,11 +322,11 @@ def _graphs(tp_rank, world, out=None):
     for arch, layout, extra, recompute in [(*c, {}, "none") for c in GRAPH_CASES] + [LAX_CASE]:
         torch.manual_seed(0)
         cfg = small_cfg(arch, n_layer=2 if extra else 1, **extra)   # (LaX crosses from layer 1)
-        model = layouts.TPLlama(Llama(cfg), tp, layout, recompute=recompute)
+        model = TPLlama(Llama(cfg), tp, layout, recompute=recompute)
         idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         for impl in ("torch", "triton"):
             torch._dynamo.reset()
-            with kernels.using(impl):
+            with local_ops.using(impl):
                 ex = torch._dynamo.explain(lambda i: model(i, i)[1])(idx)
             found[(layout, impl, recompute)] = (ex.graph_count, ex.graph_break_count)
     assert all(v == (1, 0) for v in found.values()), found

@@ -1,5 +1,5 @@
 """test_kernels.py: the Triton kernels against their PyTorch references, in Triton's interpreter on
-CPU (kernels.py turns it on where there is no CUDA): fp32, fp16 and bf16, ragged shapes.
+CPU (local_ops.py turns it on where there is no CUDA): fp32, fp16 and bf16, ragged shapes.
 """
 import json
 import os
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-import kernels
-from plumbing import kernel_choice
+import local_ops
+from extensions import kernel_choice
 from conftest import ROOT, TINY, losses, torchrun
 from gpu_check_kernels import outputs_and_grads   # (tools/: the GPU check compares through it too)
 
@@ -38,11 +38,11 @@ def test_norm_down_kernel(dtype, M, K, N):
     inputs = [torch.randn(M, K, generator=g).to(dtype), (1 + torch.rand(K, generator=g)).to(dtype),
               (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)]
     upstream = [torch.randn(M, N, generator=g).to(dtype), torch.randn(M, 1, generator=g)]
-    (out, grads), _ = triton_and_ref(kernels.norm_down, inputs, upstream)
-    ref_out, ref_grads = ref_in_fp32(kernels.norm_down_ref, inputs, upstream)
+    (out, grads), _ = triton_and_ref(local_ops.norm_down, inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(local_ops.norm_down_ref, inputs, upstream)
     for a, b in zip(out + grads, ref_out + ref_grads):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
-    again = triton_and_ref(kernels.norm_down, inputs, upstream)[0]
+    again = triton_and_ref(local_ops.norm_down, inputs, upstream)[0]
     assert all(torch.equal(a, b) for a, b in zip(out + grads, again[0] + again[1]))  # deterministic
 
 
@@ -54,9 +54,9 @@ def test_grouped_up_kernel(dtype, widths, r):
     inputs = [torch.randn(M, len(widths) * r, generator=g).to(dtype)] + \
              [(torch.randn(n, r, generator=g) / r ** 0.5).to(dtype) for n in widths]
     upstream = [torch.randn(M, n, generator=g).to(dtype) for n in widths]
-    fn = lambda z, *Bs: kernels.grouped_up(z, list(Bs))
+    fn = lambda z, *Bs: local_ops.grouped_up(z, list(Bs))
     (out, grads), _ = triton_and_ref(fn, inputs, upstream)
-    ref_out, ref_grads = ref_in_fp32(lambda z, *Bs: kernels.grouped_up_ref(z, list(Bs)), inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(lambda z, *Bs: local_ops.grouped_up_ref(z, list(Bs)), inputs, upstream)
     for a, b in zip(out + grads, ref_out + ref_grads):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
 
@@ -66,9 +66,9 @@ def test_rms_norm_kernel(dtype):
     g = torch.Generator().manual_seed(3)
     inputs = [torch.randn(2, 9, 48, generator=g).to(dtype), (1 + torch.rand(48, generator=g)).to(dtype)]
     upstream = [torch.randn(2, 9, 48, generator=g).to(dtype)]
-    fn = lambda x, w: [kernels.rms_norm(x, w, 1e-5)]
+    fn = lambda x, w: [local_ops.rms_norm(x, w, 1e-5)]
     (out, grads), _ = triton_and_ref(fn, inputs, upstream)
-    ref_out, ref_grads = ref_in_fp32(lambda x, w: [kernels.rms_norm_ref(x, w, 1e-5)], inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(lambda x, w: [local_ops.rms_norm_ref(x, w, 1e-5)], inputs, upstream)
     for a, b in zip(out + grads, ref_out + ref_grads):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
 
@@ -97,20 +97,20 @@ def test_auto_times_each_op_once_and_keeps_the_faster(capsys):
     x, gamma, A = torch.randn(2, 8, 32, generator=g), 1 + torch.rand(32, generator=g), torch.randn(24, 32, generator=g)
     z, Bs = torch.randn(2, 8, 16, generator=g), [torch.randn(n, 8, generator=g) for n in (12, 6)]
     kernel_choice.select("torch", "cpu")   # (forgets earlier choices)
-    with kernels.using("auto"):
+    with local_ops.using("auto"):
         for _ in range(2):
-            H, S = kernels.norm_down(x, gamma, A)
-            ys = kernels.grouped_up(z, Bs)
-            y = kernels.rms_norm(x, gamma, 1e-5)
+            H, S = local_ops.norm_down(x, gamma, A)
+            ys = local_ops.grouped_up(z, Bs)
+            y = local_ops.rms_norm(x, gamma, 1e-5)
     lines = capsys.readouterr().out.splitlines()
     way = r"(forward|backward) triton [\d.]+ ms vs torch [\d.]+ ms: (triton|torch)"
     assert len(lines) == 3 and all(re.fullmatch(rf"kernels: \w+ \(.+\) {way}; {way}", l) for l in lines), lines
     assert "norm_down (≤16x32 -> 24+1)" in lines[0] and "grouped_up (≤16x2x8 -> 12+6)" in lines[1]
-    assert set(kernels.chosen()) == {("norm_down", "≤16x32 -> 24+1"), ("grouped_up", "≤16x2x8 -> 12+6"),
+    assert set(local_ops.chosen()) == {("norm_down", "≤16x32 -> 24+1"), ("grouped_up", "≤16x2x8 -> 12+6"),
                                      ("rms_norm", "≤16x32")}
-    torch.testing.assert_close(H, kernels.norm_down_ref(x, gamma, A)[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ys, kernels.grouped_up_ref(z, Bs), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(y, kernels.rms_norm_ref(x, gamma, 1e-5), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(H, local_ops.norm_down_ref(x, gamma, A)[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ys, local_ops.grouped_up_ref(z, Bs), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, local_ops.rms_norm_ref(x, gamma, 1e-5), rtol=1e-4, atol=1e-4)
     kernel_choice.select("torch", "cpu")
 
 
@@ -130,12 +130,12 @@ def test_auto_chooses_each_direction_apart(monkeypatch, ways):
             up = [torch.randn(s, generator=g) for s in
                   {"norm_down": [(37, 29), (37, 1)], "grouped_up": [(37, 12), (37, 20), (37, 7)],
                    "rms_norm": [(37, 50)]}[op]]
-            fn = {"norm_down": lambda x, gm, A: list(kernels.norm_down(x, gm, A)),
-                  "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
-                  "rms_norm": lambda x, gm: [kernels.rms_norm(x, gm, 1e-5)]}[op]
+            fn = {"norm_down": lambda x, gm, A: list(local_ops.norm_down(x, gm, A)),
+                  "grouped_up": lambda z, *Bs: local_ops.grouped_up(z, list(Bs)),
+                  "rms_norm": lambda x, gm: [local_ops.rms_norm(x, gm, 1e-5)]}[op]
             kernel_choice.select("torch", "cpu")
             mixed = outputs_and_grads(fn, inputs, up, "auto")
-            assert list(kernels.chosen().values()) == [ways], kernels.chosen()
+            assert list(local_ops.chosen().values()) == [ways], local_ops.chosen()
             ref = ref_in_fp32(fn, inputs, up)
             for got, want in zip(mixed[0] + mixed[1], ref[0] + ref[1]):
                 torch.testing.assert_close(got, want, **KERNEL_TOL[dtype])
@@ -208,7 +208,7 @@ def test_auto_timing_inside_a_recompute_segment(capsys, recompute):
         torch.manual_seed(0)
         model = group_of_one(Llama(cfg), recompute)
         kernel_choice.select("torch", "cpu")   # (forgets earlier choices: every shape is new to auto)
-        with kernels.using(mode):
+        with local_ops.using(mode):
             model(idx, idx)[1].backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
     kernel_choice.select("torch", "cpu")
@@ -230,10 +230,10 @@ def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
     seen, launch = [], tk.grouped_mm
     monkeypatch.setattr(tk, "grouped_mm", lambda A, ops, C, groups, call: (
         seen.append((call, [o.t.data_ptr() for o in ops])), launch(A, ops, C, groups, call))[1])
-    for fn in (lambda: kernels.grouped_up(z, Bs), lambda: parallel.CopyUp.apply(z, None, True, *Bs)):
+    for fn in (lambda: local_ops.grouped_up(z, Bs), lambda: parallel.CopyUp.apply(z, None, True, *Bs)):
         outs = {}
         for impl in ("triton", "torch"):
-            with kernels.using(impl):
+            with local_ops.using(impl):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     ys = fn()
                 sum(y.float().pow(2).sum() for y in ys).backward()
@@ -246,11 +246,11 @@ def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
 
 
 def test_auto_without_a_measure_is_an_error_not_a_silent_reference(monkeypatch):
-    """kernels.py asks plumbing/kernel_choice.py's measure for a shape auto has not met; without one
+    """local_ops.py asks plumbing/kernel_choice.py's measure for a shape auto has not met; without one
     installed (kernel_choice.select installs it) auto refuses rather than running the reference."""
-    monkeypatch.setattr(kernels, "measure", None)
-    kernels.select("torch", "cpu")   # (forgets earlier choices)
-    with kernels.using("auto"), pytest.raises(RuntimeError, match="kernel_choice.select"):
-        kernels.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-5)
+    monkeypatch.setattr(local_ops, "measure", None)
+    local_ops.select("torch", "cpu")   # (forgets earlier choices)
+    with local_ops.using("auto"), pytest.raises(RuntimeError, match="kernel_choice.select"):
+        local_ops.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-5)
     kernel_choice.select("torch", "cpu")
-    assert kernels.measure is kernel_choice.measure
+    assert local_ops.measure is kernel_choice.measure

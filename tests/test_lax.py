@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpointing import RECOMPUTE
+from recompute import RECOMPUTE
 import layouts
+from tp_model import TPLlama
 import parallel
 from plumbing.recorder import SavedBytes
 from lax import factor_pair
@@ -153,7 +154,7 @@ def _equivalence_worker(rank, world, meshes, every_mode=True):
             idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
             logits, loss = ref(idx, idx)
             loss.backward()
-            tp_model = layouts.TPLlama(ref, handle, layout, recompute=recompute)
+            tp_model = TPLlama(ref, handle, layout, recompute=recompute)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], idx[share])
@@ -186,7 +187,7 @@ def _ledger_worker(rank, world, out):
             for n_layer in (2, 4):
                 torch.manual_seed(0)
                 cfg = small_cfg(arch, n_layer, lax=lax_on, lax_gate=gate)
-                model = layouts.TPLlama(Llama(cfg), tp, layout)
+                model = TPLlama(Llama(cfg), tp, layout)
                 idx = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(1))
                 parallel.LEDGER.reset()
                 model(idx, idx)[1].backward()

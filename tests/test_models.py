@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import interchange
+import layouts
 from model import Config, Llama
 from plumbing import formats, options, train_state
 from conftest import ROOT, TINY, expect_error, losses, metrics, run_train, torchrun
@@ -85,15 +86,14 @@ def test_mlp_multiple_of_rounds_colas_1b_width_to_aligned_strides(capsys):
     """CoLA-1B's d_ff of 5461 (43·127) as the paper has it: misaligned bf16 strides, and no TP degree
     divides it; --mlp_multiple_of=32 makes it 5472 (tp up to 4 with slices a multiple of 8); a
     resumed or exported model keeps the rounded width (the rounding is idempotent)."""
-    import sharding
     cola_1b = [str(CONFIGS / "cola_1b.toml")]
     assert options.parse_args(cola_1b)[0].mlp_width == 5461
     cfg = options.parse_args([*cola_1b, "--mlp_multiple_of=32"])[0]
     assert cfg.mlp_width == 5472 and Config(**cfg.shape()).shape() == cfg.shape()
     assert Config(mlp_width=5461, mlp_multiple_of=8).mlp_width == 5464
     with pytest.raises(ValueError, match="5461"):
-        sharding.check_divisible(options.parse_args(cola_1b)[0], 4, "btp")
-    sharding.check_divisible(cfg, 4, "btp")
+        layouts.check_divisible(options.parse_args(cola_1b)[0], 4, "btp")
+    layouts.check_divisible(cfg, 4, "btp")
     expect_error(capsys, ["--mlp_multiple_of=0"], "mlp_multiple_of=0 must be at least 1")
 
 

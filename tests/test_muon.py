@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import dp_shard
-import layouts
-import muon
+from extensions import buckets, dp_shard
+from tp_model import TPLlama
+from extensions import muon
 import parallel
 from conftest import TINY, losses, metrics, run_train, spawn, torchrun
 from model import Config, Llama
@@ -82,7 +82,7 @@ def _worker(tp_rank, world, meshes):
             where = f"{arch}/{layout}/{prefer} dp={dp} tp={tp} dp_shard={shard}"
             torch.manual_seed(0)
             ref = Llama(small(arch, lax=arch != "full", kv=max(2, tp)))
-            tp_model = layouts.TPLlama(copy.deepcopy(ref), handle, layout)
+            tp_model = TPLlama(copy.deepcopy(ref), handle, layout)
             if shard != "none":
                 dp_shard.apply(tp_model, mesh["dp"], shard, "float32", parallel.LEDGER)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 and shard == "none" else tp_model
@@ -140,8 +140,8 @@ def test_muon_tp4_dp2_tp2_and_dp_shard_tp2_equal_one_device():
 
 
 def test_owners_balance_the_work():
-    assert parallel.owners([5, 3, 3, 1], 2) == [0, 1, 1, 0]   # largest first, each to the least loaded
-    assert parallel.owners([2, 1], 4) == [0, 1]                 # ranks 2 and 3 own none
+    assert buckets.owners([5, 3, 3, 1], 2) == [0, 1, 1, 0]   # largest first, each to the least loaded
+    assert buckets.owners([2, 1], 4) == [0, 1]                 # ranks 2 and 3 own none
 
 
 def _owner_worker(rank, world):
@@ -154,8 +154,8 @@ def _owner_worker(rank, world):
         dims = [(0, 1, 1)[i] for i in picked]
         blocks = [fulls[i].chunk(world, d)[rank] for i, d in zip(picked, dims)]
         fn = lambda xs: [2 * x + x.sum() for x in xs]   # (elementwise and whole-matrix: needs it whole)
-        got = parallel.owner_computes(blocks, dims, group, fn)
-        want = [y.chunk(world, d)[rank] for y, d in zip(fn(parallel.gathered_all(blocks, dims, group)), dims)]
+        got = buckets.owner_computes(blocks, dims, group, fn)
+        want = [y.chunk(world, d)[rank] for y, d in zip(fn(buckets.gathered_all(blocks, dims, group)), dims)]
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     dist.barrier()

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import layouts
+
+from tp_model import TPLlama
 import parallel
 from model import Llama
 from conftest import TP_CASES, expect_error, small_cfg, spawn
@@ -101,7 +103,7 @@ def _ledger_worker(rank, world, result_file):
         for n_layer in (2, 4):
             torch.manual_seed(0)
             cfg = small_cfg(arch, n_layer)
-            model = layouts.TPLlama(Llama(cfg), tp, layout)
+            model = TPLlama(Llama(cfg), tp, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
             parallel.LEDGER.reset()
             model(idx, idx)[1].backward()
@@ -152,8 +154,8 @@ def test_ledger_volumes_and_collectives_equal_the_formulas(tmp_path):
     (4, ["--tp=4", "--n_embd=18", "--n_head=1"], "tp=4 does not divide n_embd=18"),
     (2, ["--tp=2", "--mlp_width=99"], "tp=2 does not divide mlp_width=99"),
     (2, ["--tp=2", "--layout=vanilla", "--attn_rank=9"], "tp=2 does not divide attn_rank=9"),
-    (2, ["--tp=2", "--layout=megatron"], "layout=megatron is the dense baseline"),
-    (2, ["--tp=2", "--arch=full", "--layout=btp"], "arch=full uses layout=megatron"),
+    (2, ["--tp=2", "--layout=megatron"], "layout=megatron cuts dense models"),
+    (2, ["--tp=2", "--arch=full", "--layout=btp"], "arch=full uses megatron"),
 ])
 def test_bad_parallel_layouts(capsys, monkeypatch, tmp_path, world, argv, fragment):
     monkeypatch.setenv("WORLD_SIZE", str(world))

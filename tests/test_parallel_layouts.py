@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import kernels
-import layouts
+import local_ops
+from tp_model import TPLlama
 import parallel
 import sharding
 from model import Llama
@@ -39,7 +39,7 @@ def _equivalence_worker(rank, world, meshes):
             tgt = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(2))
             logits, loss = ref(idx, tgt)
             loss.backward()
-            tp_model = layouts.TPLlama(ref, tp_handle, layout, block=ablated(**options) if options else None)
+            tp_model = TPLlama(ref, tp_handle, layout, block=ablated(**options) if options else None)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], tgt[share])
@@ -90,13 +90,13 @@ def _compile_worker(rank, world):
     # compiled runs hold inductor on a GPU to eager (tools/gpu_check_train.py)
     for arch, layout, impl in (("cola", "btp", "torch"), ("svd", "vanilla", "torch"),
                                ("full", "megatron", "torch"), ("cola", "btp", "triton")):
-        kernels.select(impl, "cpu")
+        local_ops.select(impl, "cpu")
         torch.manual_seed(0)
         ref = Llama(small_cfg(arch, n_layer=1))
         idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         results = []
         for compiled in (False, True):
-            model = layouts.TPLlama(ref, tp, layout)
+            model = TPLlama(ref, tp, layout)
             run = torch.compile(model, backend="aot_eager") if compiled else model
             counters.clear()
             parallel.LEDGER.reset()
@@ -134,7 +134,7 @@ def _bf16_worker(rank, world):
         ref = Llama(small_cfg(arch))
         idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
         runs = {}
-        for name, model in (("fp32", ref), ("bf16", ref), ("tp bf16", layouts.TPLlama(ref, tp, layout))):
+        for name, model in (("fp32", ref), ("bf16", ref), ("tp bf16", TPLlama(ref, tp, layout))):
             model.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "fp32"):
                 loss = model(idx, idx)[1]

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import layouts
+
+from tp_model import TPLlama
 import parallel
-import pipeline
+from extensions import pipeline
 import sharding
 from model import Llama
 from plumbing import placement
@@ -45,7 +46,7 @@ def _pipeline_worker(rank, world, meshes, cases=CASES):
             loss.backward()
             recompute = "lowrank" if arch == "cola" and schedule in pipeline.SPLIT_BACKWARD else "none"
             held = pipeline.stages_of(pp_rank, pp, virtual, schedule)
-            stage = layouts.TPLlama(ref, tp_handle, layout, stage=held, stages=pp * len(held),
+            stage = TPLlama(ref, tp_handle, layout, stage=held, stages=pp * len(held),
                                     recompute=recompute)
             pipe = pipeline.Pipeline(stage, mesh, n_micro, schedule, "cpu")
             share = slice(dp_rank * 8 // dp, (dp_rank + 1) * 8 // dp)

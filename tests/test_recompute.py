@@ -1,5 +1,5 @@
 """test_recompute.py: activation checkpointing (section 5): equal gradients for every mode, saved bytes
-equal to checkpointing.py's formulas, no collective replayed by low-rank recompute under BTP, the
+equal to recompute.py's formulas, no collective replayed by low-rank recompute under BTP, the
 recompute FLOPs.
 """
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointing import RECOMPUTE
-import layouts
+from recompute import RECOMPUTE
+from tp_model import TPLlama
 import parallel
 from model import Config, Llama
 from conftest import group_of_one, small_cfg, spawn
@@ -16,7 +16,7 @@ from plumbing.recorder import SavedBytes
 
 
 def lowrank_saved_per_token(layout, cfg, t, e=4):
-    """checkpointing.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
+    """recompute.py's docstring formula: bytes saved per token per layer with recompute=lowrank."""
     ra, rm, d = cfg.attn_rank, cfg.mlp_rank, cfg.n_embd
     lat = (4 * ra + 3 * rm) * e if cfg.lax else 0   # LaX: the previous layer's latents, whole
     return lat + {"btp": (4 * ra + 3 * rm + 2 + 2 * d // t) * e,
@@ -100,7 +100,7 @@ def _recompute_worker(rank, world):
                                      "arch": "cola", "n_layer": n})
         def make_model(n_layer):
             torch.manual_seed(0)
-            return layouts.TPLlama(Llama(cfg_of(n_layer)), tp, layout)
+            return TPLlama(Llama(cfg_of(n_layer)), tp, layout)
         idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         ref = check_recompute(make_model, layout, cfg_of(2), world, idx)
         backward = {mode: run_recompute(make_model, mode, idx, 2)[3] for mode in ("lowrank", "layer")}

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-import dp_shard
-import layouts
+from extensions import dp_shard
+from tp_model import TPLlama
 from conftest import ROOT, spawn
 from model import Llama
 from plumbing import options, placement
@@ -37,7 +37,7 @@ def _build_worker(rank, world):
             place = placement.place_processes(plan)
             built = placement.build_model(plan, place)[0]
             torch.manual_seed(plan.tc.seed)   # today's way: the whole reference, then cut
-            cut = layouts.TPLlama(Llama(plan.cfg), place.tp, plan.layout, stage=place.pp_rank,
+            cut = TPLlama(Llama(plan.cfg), place.tp, plan.layout, stage=place.pp_rank,
                                   stages=plan.tc.pp)
             theirs = dict(cut.named_parameters())
             where = f"{mesh} {model_args} rank {rank}"
@@ -74,7 +74,7 @@ open("/proc/self/clear_refs", "w").write("5")   # the peak from here
 before = rss("VmRSS")
 if {whole!r}:
     torch.manual_seed(tc.seed)
-    model = layouts.TPLlama(Llama(cfg), place.tp, "megatron")
+    model = TPLlama(Llama(cfg), place.tp, "megatron")
 else:
     model = placement.build_model(plan, place)[0]
 part = sum(p.numel() * 4 for p in model.parameters())
@@ -190,7 +190,7 @@ def test_a_rank_draws_a_quarter_at_tp4_and_a_resume_draws_nothing(monkeypatch, t
     plan = plan_of(["--tp=4"], 4)
     with torch.device("meta"):
         ref = Llama(plan.cfg)
-    model_4 = layouts.TPLlama(ref, parallel.TPGroup(None, 1, 4), "btp")
+    model_4 = TPLlama(ref, parallel.TPGroup(None, 1, 4), "btp")
     model_4.to_empty(device="cpu")
     sharding.materialize(model_4, ref)
     part = len(drawn)

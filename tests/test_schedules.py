@@ -1,4 +1,4 @@
-"""test_schedules.py: the pipeline schedules' action lists and pipeline.timeline's idle shares against
+"""test_schedules.py: the pipeline schedules' action lists and schedule_sim.timeline's idle shares against
 the formulas they must meet (1F1B's (p-1)/(m+p-1), interleaving's (p-1)/(v·m+p-1)), the stages a
 rank holds, `--explain`'s schedule lines, and the schedules bench and picture at a toy size.
 """
@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-import pipeline
+from extensions import pipeline
+from extensions import schedule_sim
 from conftest import ROOT, TINY, torchrun
 
 
@@ -16,25 +17,25 @@ def names(actions):
 
 def test_1f1b_and_gpipe_orders_are_the_loops_torch_runs():
     # rank 0 of 2: 2 warm-up forwards (p - rank), then a backward and a forward in turn
-    order = pipeline.order("1f1b", 2, 4)
+    order = schedule_sim.order("1f1b", 2, 4)
     assert names(order[0]) == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
     assert names(order[1]) == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
-    assert names(pipeline.order("gpipe", 2, 3)[1]) == ["1F0", "1F1", "1F2", "1B0", "1B1", "1B2"]
+    assert names(schedule_sim.order("gpipe", 2, 3)[1]) == ["1F0", "1F1", "1F2", "1B0", "1B1", "1B2"]
 
 
 @pytest.mark.parametrize("pp, m", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 8)])
 def test_modelled_idle_shares_equal_the_textbook_formulas(pp, m):
     for schedule in ("1f1b", "gpipe"):
-        share = pipeline.idle(pipeline.timeline(pipeline.order(schedule, pp, m)))
+        share = schedule_sim.idle(schedule_sim.timeline(schedule_sim.order(schedule, pp, m)))
         assert share == pytest.approx(dict.fromkeys(range(pp), (pp - 1) / (m + pp - 1))), schedule
     if m % pp == 0:   # interleaving v stages a rank: the warm-up and cool-down shrink v times
         for v in (2, 4):
-            share = pipeline.idle(pipeline.timeline(pipeline.order("interleaved_1f1b", pp, m, v)))
+            share = schedule_sim.idle(schedule_sim.timeline(schedule_sim.order("interleaved_1f1b", pp, m, v)))
             assert share == pytest.approx(dict.fromkeys(range(pp), (pp - 1) / (v * m + pp - 1)))
     if m >= 2 * pp:   # the zero-bubble schedules leave less idle than interleaving's
-        inter = pipeline.idle(pipeline.timeline(pipeline.order("interleaved_1f1b", pp, m, 2)))[0]
+        inter = schedule_sim.idle(schedule_sim.timeline(schedule_sim.order("interleaved_1f1b", pp, m, 2)))[0]
         for schedule in ("zero_bubble", "zbv", "dualpipev"):
-            share = pipeline.idle(pipeline.timeline(pipeline.order(schedule, pp, m, 2)))
+            share = schedule_sim.idle(schedule_sim.timeline(schedule_sim.order(schedule, pp, m, 2)))
             assert max(share.values()) < inter, (schedule, share, inter)
 
 
@@ -100,5 +101,5 @@ def test_profile_labels_every_action_of_the_schedule(tmp_path, schedule):
     for rank in (0, 1):
         trace = json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())
         labels = {e["name"][3:] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("PP:")}
-        want = set(names(pipeline.order(schedule, 2, 4, 2 if virtual else 1)[rank]))
+        want = set(names(schedule_sim.order(schedule, 2, 4, 2 if virtual else 1)[rank]))
         assert want <= labels and len(want) == (8 if schedule == "1f1b" else 24), (rank, want - labels)

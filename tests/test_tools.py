@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import layouts
-import sharding
 from model import Config, Llama
 from conftest import ROOT, command, command_out
 
@@ -29,7 +28,7 @@ def test_cost_model_matches_model_and_ledger():
     sh = costmodel.Shape(2, 64, 176, 8, 4, 128, rank=16)
     cfg = Config(arch="cola", n_layer=2, n_embd=64, mlp_width=176, n_head=8, n_kv_head=4, vocab_size=128,
                  attn_rank=16, mlp_rank=16)
-    for layout in sharding.LAYOUTS:
+    for layout in layouts.LAYOUTS:
         assert costmodel.per_layer_traffic(layout, sh) == layouts.per_layer_traffic(layout, cfg), layout
     text, out = costmodel.report()
     assert out["mean_abs_rel_error"] < 0.5 and "| 7B | 4 | 1 |" in text

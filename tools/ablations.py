@@ -11,7 +11,7 @@ collectives. To measure what each is worth, this subclass of layouts.BTPBlock tu
 
 Both compute the same model: tests/test_parallel_layouts.py checks them against one device.
 
-    layouts.TPLlama(model, tp, "btp", block=ablated(online_norm=False))
+    TPLlama(model, tp, "btp", block=ablated(online_norm=False))
 """
 import sys
 from pathlib import Path

@@ -116,7 +116,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
     import torch
     import torch.distributed as dist
     import ablations
-    import layouts
+    from tp_model import TPLlama
     import parallel
     from plumbing import placement
     from plumbing.recorder import SavedBytes
@@ -132,7 +132,7 @@ def _measure_worker(rank, world, store, names, cfg_kwargs, batch, iters, result)
         model = Llama(Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto"}))
         if layout:   # (None: the single-device reference, model.Llama itself)
             block = ablations.ablated(**options) if options else None
-            model = layouts.TPLlama(model, tp, layout, recompute=recompute, block=block)
+            model = TPLlama(model, tp, layout, recompute=recompute, block=block)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     idx = torch.randint(0, 256, (batch, cfg_kwargs["block_size"]),
                         generator=torch.Generator().manual_seed(0))
@@ -239,7 +239,7 @@ def bench_checkpoint(extra):
     import torch
     from plumbing import options
     from plumbing import integrity
-    import layouts
+    from tp_model import TPLlama
     import parallel
     from plumbing import train_state
     from model import Llama
@@ -248,7 +248,7 @@ def bench_checkpoint(extra):
                                             "--n_head=16"]))
     cfg.vocab_size = 50304
     # as a tp=1 run trains it
-    model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), "megatron")
+    model = TPLlama(Llama(cfg), parallel.TPGroup(None, 0, 1), "megatron")
     optimizer = torch.optim.AdamW(model.parameters())
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         t0 = time.time()

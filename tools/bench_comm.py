@@ -30,9 +30,9 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
     import time
     import torch
     import torch.distributed as dist
-    import layouts
+    from tp_model import TPLlama
     import parallel
-    import pipeline
+    from extensions import pipeline
     from plumbing import placement
     from model import Config, Llama
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def _worker(rank, world, store, pp, cfg_kwargs, batch, iters, result):
             tp_handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), tp,
                                          overlap=mode == "overlap")
             torch.manual_seed(0)
-            model = layouts.TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch,
+            model = TPLlama(Llama(Config(**{**cfg_kwargs, "arch": arch,
                                                     "mlp_gate": "auto"})), tp_handle, layout,
                                     stage=pp_rank, stages=pp)
             pipe = pipeline.Pipeline(model, mesh, 2, "1f1b", "cpu") if pp > 1 else None

@@ -4,7 +4,7 @@
 BOOST (arXiv 2512.12131) §3-4 and §7. Two tables, each row printed and appended to a JSON Lines
 file as it is measured (a run cut short keeps its rows), then written to <json_dir>/bench-gpu.json:
 
-1. The kernels of kernels.py at the TP=4 slices of BOOST's 1B and 7B shapes (configs/boost_1b.toml,
+1. The kernels of local_ops at the TP=4 slices of BOOST's 1B and 7B shapes (configs/boost_1b.toml,
    boost_7b.toml; M = 4·4096 tokens), Triton against the PyTorch reference (cuBLAS), forward and
    backward apart: ms of each and their ratio (torch/Triton: 1.0 = as fast as cuBLAS; the goal is
    at least 0.9).
@@ -73,17 +73,17 @@ def timed(fn, device, runs=10):
 
 def measure_op(op, input_shapes, flops, impl, device, dtype, runs=10):
     """{fwd_ms, fwd_bwd_ms, tflops or gbs, vs_matmul} of one op under one implementation."""
-    import kernels
+    import local_ops
     g = torch.Generator(device="cpu").manual_seed(0)
     inputs = [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in input_shapes]
-    fn = {"norm_down": lambda x, gm, A: kernels.norm_down(x, gm, A),
-          "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
-          "rms_norm": lambda x, gm: [kernels.rms_norm(x, gm, 1e-6)]}[op]
+    fn = {"norm_down": lambda x, gm, A: local_ops.norm_down(x, gm, A),
+          "grouped_up": lambda z, *Bs: local_ops.grouped_up(z, list(Bs)),
+          "rms_norm": lambda x, gm: [local_ops.rms_norm(x, gm, 1e-6)]}[op]
 
     def both():
         outs = [o for o in fn(*inputs) if o.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    with kernels.using(impl):
+    with local_ops.using(impl):
         fwd = timed(lambda: fn(*inputs), device, runs)
         fwd_bwd = timed(both, device, runs)
     out = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
@@ -239,7 +239,7 @@ def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None, dea
     measured, so that a run stopped by a timeout keeps its rows; returns (markdown, results).
     With a deadline (time.time()'s), each row starts only where it fits (ROW_S); gpu_check puts
     the step table first (steps_first) and compiles CoLA's step alone."""
-    from plumbing import kernel_choice
+    from extensions import kernel_choice
     kernel_choice.select("auto", device)
     out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
            else str(device),

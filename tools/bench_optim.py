@@ -28,7 +28,7 @@ CASES = [(arch, opt) for arch in ("cola", "full") for opt in ("adamw", "muon")]
 def step_alone(extra, iters):
     """{(arch, optimizer): median ms of optimizer.step()} on one process, interleaved."""
     import torch
-    import muon
+    from extensions import muon
     from model import Llama
     from plumbing import options
     opts, models = {}, {}
@@ -56,8 +56,8 @@ def _tp_worker(rank, world, store, extra, iters, result):
     import json
     import torch
     import torch.distributed as dist
-    import layouts
-    import muon
+    from tp_model import TPLlama
+    from extensions import muon
     import parallel
     from model import Llama
     from plumbing import options, placement
@@ -67,7 +67,7 @@ def _tp_worker(rank, world, store, extra, iters, result):
     cfg, tc = options.parse_args([*extra, "--arch=cola", "--optimizer=muon"])
     cfg.vocab_size = options.vocab_size(tc.tokenizer)
     torch.manual_seed(0)
-    model = layouts.TPLlama(Llama(cfg), tp, "btp")
+    model = TPLlama(Llama(cfg), tp, "btp")
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opts = {mode: muon.configure(model, tc, mode) for mode in TP_MODES}
@@ -136,7 +136,7 @@ def bench(iters, extra, rounds):
 def unbucketed(optimizer):
     """The collectives one Muon step issued before buckets: an all-gather per gathered piece, the
     Gram path's 1 + 5 all-reduces, an all-gather over dp per sharded matrix."""
-    import muon
+    from extensions import muon
     total = 0
     for g in optimizer.param_groups:
         if g.get("muon"):
@@ -150,8 +150,8 @@ def counts(shapes=("paper_1b", "paper_7b"), tp=4):
     """[[shape, mode, Muon's matrices (pieces) a rank holds, collectives a step before buckets,
     after]] of the papers' CoLA models under BTP at tp=4, built on the meta device (counts only)."""
     import torch
-    import layouts
-    import muon
+    from tp_model import TPLlama
+    from extensions import muon
     import parallel
     from model import Llama
     from plumbing import options
@@ -162,7 +162,7 @@ def counts(shapes=("paper_1b", "paper_7b"), tp=4):
                                       "--optimizer=muon", f"--tp={tp}", "--mlp_multiple_of=32"])
         cfg.vocab_size = 32000
         with torch.device("meta"):
-            model = layouts.TPLlama(Llama(cfg), parallel.TPGroup(None, 0, tp), "btp")
+            model = TPLlama(Llama(cfg), parallel.TPGroup(None, 0, tp), "btp")
         for mode in ("gram", "gather"):
             opt = muon.configure(model, tc, mode)
             pieces = sum(len(pcs) for g in opt.param_groups if g.get("muon")

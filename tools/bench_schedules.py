@@ -2,7 +2,7 @@
 pp dimension of BOOST's 3D layouts, arXiv 2512.12131 §6) side by side on this machine: at pp=2, 4
 with 4 and 8 micro-batches, each schedule's step time and the share of it each rank sat idle,
 measured (1 − the seconds its actions computed, Pipeline.time_actions, / the step), beside the
-share its own action order leaves idle as pipeline.timeline models it (a forward 1, a backward 2,
+share its own action order leaves idle as schedule_sim models it (a forward 1, a backward 2,
 its halves 1 each, sends free) and the textbook 1F1B bubble (p−1)/(m+p−1). CoLA under BTP at a TP
 group of one, d=256, 8 layers (a stage of one layer at pp=4 with two stages a rank), 2 sequences of
 128 byte tokens a micro-batch, one thread a rank. Each round is a fresh group of pp processes
@@ -37,9 +37,9 @@ def cases(pp):
 def _worker(rank, world, store, todo, iters, result):
     import torch
     import torch.distributed as dist
-    import layouts
+    from tp_model import TPLlama
     import parallel
-    import pipeline
+    from extensions import pipeline
     from model import Config, Llama
     from plumbing import placement
     torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def _worker(rank, world, store, todo, iters, result):
         torch.manual_seed(0)
         ref = Llama(Config(**SHAPE))
         held = pipeline.stages_of(rank, world, virtual, schedule)
-        model = layouts.TPLlama(ref, tp, "btp", stage=held, stages=world * len(held))
+        model = TPLlama(ref, tp, "btp", stage=held, stages=world * len(held))
         pipe = pipeline.Pipeline(model, mesh, m, schedule, "cpu")
         x = torch.randint(0, 256, (m * MICRO, 128), generator=torch.Generator().manual_seed(1))
         pipe.run(x, x)                                    # (warm-up: shapes inferred)
@@ -89,7 +89,7 @@ def measure(pp, iters, rounds):
 
 def bench(iters, extra, rounds):
     """(markdown, results) of every schedule at pp=2 and 4 with 4 and 8 micro-batches."""
-    import pipeline
+    from extensions import schedule_sim
     from bench_common import table
     pps = [a.split("=", 1)[1] for a in extra if a.startswith("--pp=")] or ["2", "4"]
     if any(p not in ("2", "4") for p in pps) or any(not a.startswith("--pp=") for a in extra):
@@ -102,7 +102,7 @@ def bench(iters, extra, rounds):
         for key, r in measure(pp, iters, rounds).items():
             schedule, v, m = key.split("|")
             v, m = int(v), int(m)
-            model = pipeline.idle(pipeline.timeline(pipeline.order(schedule, pp, m, v)))
+            model = schedule_sim.idle(schedule_sim.timeline(schedule_sim.order(schedule, pp, m, v)))
             out[f"pp={pp} {key}"] = {**r, "modelled": list(model.values())}
             rows.append([pp, m, schedule, v, f"{r['ms']:.0f}",
                          f"{statistics.fmean(r['idle']):.2f} (" +

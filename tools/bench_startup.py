@@ -36,8 +36,8 @@ def _worker(rank, world, store, args, way, result):
     import time
     import torch
     import torch.distributed as dist
-    import dp_shard
-    import layouts
+    from extensions import dp_shard
+    from tp_model import TPLlama
     import parallel
     from model import Llama
     from plumbing import options, placement
@@ -57,7 +57,7 @@ def _worker(rank, world, store, args, way, result):
         placement.build_model(plan, place)
     else:   # the way before: the whole reference in fp32, then this rank's part cut from it
         torch.manual_seed(tc.seed)
-        model = layouts.TPLlama(Llama(cfg), place.tp, plan.layout)
+        model = TPLlama(Llama(cfg), place.tp, plan.layout)
         if tc.dp_shard != "none":
             dp_shard.apply(model, place.mesh["dp"], tc.dp_shard, plan.dtype, parallel.LEDGER)
     seconds, peak = time.time() - t0, _rss("VmHWM") - before
@@ -85,7 +85,7 @@ def predict(name, arch, tp=4, dp=2):
     """A rank's share of a paper shape at tp (and dp_shard=full over dp): counts from the meta
     model, bytes fp32."""
     import torch
-    import layouts
+    from tp_model import TPLlama
     import parallel
     from model import Llama
     from plumbing import options
@@ -94,7 +94,7 @@ def predict(name, arch, tp=4, dp=2):
     cfg.vocab_size = VOCAB
     with torch.device("meta"):
         ref = Llama(cfg)
-        part = layouts.TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp" if cfg.lowrank
+        part = TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp" if cfg.lowrank
                                else "megatron")
     n, mine = ref.num_params(), sum(p.numel() for p in part.parameters())
     largest = max(p.numel() for p in ref.parameters())
@@ -108,7 +108,7 @@ def predict(name, arch, tp=4, dp=2):
 def draw_models(name, tp=4):
     """(the reference, rank 0's part at tp under BTP) of a cola shape, on the meta device."""
     import torch
-    import layouts
+    from tp_model import TPLlama
     import parallel
     from model import Llama
     from plumbing import options
@@ -118,7 +118,7 @@ def draw_models(name, tp=4):
     torch.manual_seed(tc.seed)
     with torch.device("meta"):
         ref = Llama(cfg)
-        return ref, layouts.TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp")
+        return ref, TPLlama(ref, parallel.TPGroup(None, 0, tp), "btp")
 
 
 def draw_times(name, tp=4):

@@ -22,6 +22,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
     import torch
     import torch.distributed as dist
     import layouts
+    from tp_model import TPLlama
     import parallel
     from plumbing import placement
     from model import Config, Llama
@@ -39,7 +40,7 @@ def _traffic_worker(rank, world, store, cfg_kwargs, result):
             cfg = Config(**{**cfg_kwargs, "arch": arch, "mlp_gate": "auto", "n_layer": n_layer,
                             "block_size": s,
                             "lax": lax})
-            model = layouts.TPLlama(Llama(cfg), tp, layout)
+            model = TPLlama(Llama(cfg), tp, layout)
             idx = torch.randint(0, cfg.vocab_size, (b, s),
                                 generator=torch.Generator().manual_seed(0))
             parallel.LEDGER.reset()
@@ -61,7 +62,7 @@ def optimizer_traffic(model, layout, cfg, t):
     """Muon's step (muon.py) on the gradients the model holds: the ledger's "optim" elements and
     the model's count by muon.per_layer_traffic's formula, with the Gram path (btp only; else 0)
     and with the gather path."""
-    import muon
+    from extensions import muon
     import parallel
     from plumbing import options
     tc = options.TrainConfig(optimizer="muon")

@@ -15,7 +15,7 @@ One iteration on one GPU of a (dp, pp, tp) job, m micro-batches of b x s tokens 
              bf16, on the critical path (not overlapped); BW is NVLink within a node, the network
              when the TP group spans nodes (4 GPUs a node).
   PP         1F1B: (m + p - 1) slots of one stage's fwd+bwd, plus the activation sends b·s·d/t;
-             other schedules: their action order placed in time (pipeline.timeline), in slots.
+             other schedules: their action order placed in time (schedule_sim.timeline), in slots.
   DP         ring all-reduce of this rank's bf16 gradients over the network, not overlapped.
 
 The elements and the number of TP collectives per layer are layouts.per_layer_traffic's (tested
@@ -125,13 +125,14 @@ def flops_per_token(sh, layout, seq):
 
 def slots(schedule, p, m, v=1):
     """A pipeline's length in one stage's fwd+bwd of a micro-batch: the schedule's action order
-    placed in time by pipeline.timeline (1F1B: m + p - 1)."""
-    import pipeline
+    placed in time by schedule_sim.timeline (1F1B: m + p - 1)."""
+    from extensions import pipeline
+    from extensions import schedule_sim
     if p == 1:
         return m
-    placed = pipeline.timeline(pipeline.order(schedule, p, m, v))
+    placed = schedule_sim.timeline(schedule_sim.order(schedule, p, m, v))
     held = len(pipeline.stages_of(0, p, v, schedule))
-    return pipeline.span(placed) / (3 * held)   # (a stage's F+B: 3 units, `held` of them a rank)
+    return schedule_sim.span(placed) / (3 * held)   # (a stage's F+B: 3 units, `held` a rank)
 
 
 def iteration_time(sh, layout, hw, t=1, p=1, dp=1, b=4, s=4096, m=1, cal=CALIBRATION,
@@ -226,7 +227,7 @@ def report():
                [(16 * dp, dict(shape=SHAPES["30B"], t=4, p=4, dp=dp, m=16))
                 for dp in (1, 4, 16, 64)])]
     text.append("\nPredicted BOOST seconds per iteration by pipeline schedule (modelled: "
-                "pipeline.timeline's order, a backward twice a forward; A100, 16 micro-batches, "
+                "schedule_sim's order, a backward twice a forward; A100, 16 micro-batches, "
                 "two stages a rank beyond 1F1B)\n")
     rows = []
     for name, t, p in (("13B", 4, 2), ("30B", 4, 4)):

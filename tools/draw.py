@@ -11,7 +11,7 @@ and both low-rank layouts with LaX), as the ledger counts them in a real step at
 traffic's worker), at the default shape (d=128, r=32). layer: the forward and backward of one layer
 under BTP at tp=2, in execution order, as `train.py --tp=2 --explain=true` records it: each op, and
 each all-reduce with what it carries and its width per token. schedules: each pipeline schedule's
-actions on each of pp=4 ranks, 8 micro-batches, placed in time by pipeline.timeline (modelled, not
+actions on each of pp=4 ranks, 8 micro-batches, placed in time by schedule_sim (modelled, not
 timed). -o names a .png, .svg or .pdf,
 replaced if it exists. Needs matplotlib, which only the tools import.
 """
@@ -126,16 +126,16 @@ KIND_COLORS = {"F": "#2e86c1", "B": "#e67e22", "I": "#16a085", "W": "#27ae60"}
 
 
 def draw_schedules(out, pp=4, n_micro=8):
-    """Each schedule's actions on each pp rank, placed in time by pipeline.timeline (a forward 1, a
+    """Each schedule's actions on each pp rank, placed in time by schedule_sim (a forward 1, a
     backward 2, its input and weight halves 1 each, in one stage's forward: drawn in a rank's,
     v stages' worth, so that the schedules share one axis), idle time left white."""
-    import pipeline
+    from extensions import schedule_sim
     plt = pyplot("tools/draw.py")
     fig, axes = plt.subplots(len(SCHEDULES), 1, figsize=(11, 1.1 + 0.95 * len(SCHEDULES)),
                              sharex=True)
     for ax, (schedule, v) in zip(axes, SCHEDULES):
-        placed = pipeline.timeline(pipeline.order(schedule, pp, n_micro, v))
-        share = pipeline.idle(placed)
+        placed = schedule_sim.timeline(schedule_sim.order(schedule, pp, n_micro, v))
+        share = schedule_sim.idle(placed)
         for r, acts in placed.items():
             for start, end, a in acts:   # (in a rank's forward: a stage's is 1/v of it)
                 start, end, kind = start / v, end / v, a.computation_type.value

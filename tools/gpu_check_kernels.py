@@ -1,4 +1,4 @@
-"""gpu_check_kernels.py: gpu_check.py's kernel step: every Triton kernel of kernels.py against its
+"""gpu_check_kernels.py: gpu_check.py's kernel step: every Triton kernel of local_ops.py against its
 PyTorch reference, forward and backward, on the device it runs on.
 
 BOOST (arXiv 2512.12131) sections 3-4 (online RMSNorm fused with the down-projection, the grouped
@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-import kernels
+import local_ops
 import parallel
 import triton_kernels as tk
 
@@ -31,10 +31,10 @@ RAGGED = [("norm_down", [(77, 96), (96,), (40, 96)]), ("norm_down", [(130, 33), 
 TRAINING = [("norm_down", [(77, 96), (96,), (40, 96)]),
             ("copy_up", [(77, 48), (40, 16), (24, 16), (24, 16)])]
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
-FN = {"norm_down": lambda x, g, A: list(kernels.norm_down(x, g, A)),
-      "grouped_up": lambda z, *Bs: kernels.grouped_up(z, list(Bs)),
+FN = {"norm_down": lambda x, g, A: list(local_ops.norm_down(x, g, A)),
+      "grouped_up": lambda z, *Bs: local_ops.grouped_up(z, list(Bs)),
       "copy_up": lambda z, *Bs: list(parallel.CopyUp.apply(z, None, True, *Bs)),
-      "rms_norm": lambda x, g: [kernels.rms_norm(x, g, 1e-6)]}
+      "rms_norm": lambda x, g: [local_ops.rms_norm(x, g, 1e-6)]}
 
 
 def outputs_and_grads(fn, inputs, upstream, impl):
@@ -42,7 +42,7 @@ def outputs_and_grads(fn, inputs, upstream, impl):
     "torch", forward and backward), on fresh leaves of `inputs`, backward from `upstream`: a list of
     tensors, or a function of the outputs giving them; each is cast to its output's dtype. (The
     kernel tests in tests/test_kernels.py compare through it too.)"""
-    with kernels.using(impl):
+    with local_ops.using(impl):
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
         outs = fn(*leaves)
         grads = upstream(outs) if callable(upstream) else upstream

@@ -22,8 +22,8 @@ TOL = dict(rtol=1e-4, atol=1e-5)   # fp32: the TP sums in another order than one
 
 def rank_main(tp_rank, world, store, device, out):
     """One rank: the TP model and the reference side by side; its largest differences to `out`."""
-    import kernels
-    import layouts
+    import local_ops
+    from tp_model import TPLlama
     import parallel
     from model import Config, Llama
     torch.set_num_threads(1)
@@ -32,13 +32,13 @@ def rank_main(tp_rank, world, store, device, out):
                             timeout=datetime.timedelta(seconds=60))
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    kernels.select("triton", device)
+    local_ops.select("triton", device)
     cfg = Config(arch="cola", n_layer=2, n_embd=64, n_head=4, n_kv_head=2, block_size=32,
                  vocab_size=128)
     torch.manual_seed(0)
     ref = Llama(cfg)
     tp = parallel.TPGroup(dist.group.WORLD, tp_rank, world, overlap=True)
-    model = layouts.TPLlama(ref, tp, "btp").to(device)
+    model = TPLlama(ref, tp, "btp").to(device)
     ref = ref.to(device)
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (ref, model)]
     worst = {"loss": 0.0, "grad": 0.0}

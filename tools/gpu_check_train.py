@@ -88,9 +88,9 @@ def sample_ms(args):
     """ms of the 200-token sample a run ends with (train.sample's path: autocast, the reference
     ops)."""
     import torch
-    import kernels
+    import local_ops
     from plumbing.tokenizer import sample_text
-    from plumbing import kernel_choice, options, placement, plan
+    from extensions import kernel_choice, options, placement, plan
     from plumbing.tokenizer import load as load_tokenizer
     cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2",
                                   "--kernels=auto"])
@@ -101,7 +101,7 @@ def sample_ms(args):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else \
         torch.autocast("cpu", enabled=False)
     t0 = time.time()
-    with torch.no_grad(), autocast, kernels.reference():
+    with torch.no_grad(), autocast, local_ops.reference():
         sample_text(net, load_tokenizer("bytes"), 200 if dev == "cuda" else 20, dev)
     return (time.time() - t0) * 1000
 

@@ -38,7 +38,7 @@ I32 = ("meta_ptr",)
 GEMMS = {name: blocks for name, (_, blocks, _, _) in tk.KERNELS.items()}
 
 
-# the strides that are 1 in each way kernels.py calls _grouped_mm (Triton's JIT makes them
+# the strides that are 1 in each way local_ops.py calls _grouped_mm (Triton's JIT makes them
 # constants)
 GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq")}
 

@@ -1,11 +1,11 @@
-"""kernel_choice.py: `--kernels=auto`: which implementation each of kernels.py's ops runs, timed per
-op and shape the first time it comes, the times agreed across the ranks that run it.
+"""kernel_choice.py: `--kernels=auto`: which implementation each of local_ops.py's ops runs, timed
+per op and shape the first time it comes, the times agreed across the ranks that run it.
 
 BOOST (arXiv 2512.12131) section 4 fuses the bottleneck's local ops into Triton kernels; whether a
 fused kernel beats the PyTorch reference depends on the GPU and the shape (a short sequence, a
 narrow slice), so under auto each op is timed both ways, forward and backward apart, and the faster
-kept in each direction. kernels.py dispatches; this file measures: `select` installs `measure` as
-kernels.py's way of deciding a shape it has not met, and train.py's placement names the process
+kept in each direction. local_ops.py dispatches; this file measures: `select` installs `measure` as
+local_ops.py's way of deciding a shape it has not met, and train.py's placement names the process
 groups to agree over (`agree_over`).
 """
 import os
@@ -14,15 +14,16 @@ import time
 import torch
 import torch.distributed as dist
 
-import kernels
+import local_ops
+from extensions import kernel_ops  # noqa: F401  (the Triton side registers itself)
 
 _agree = []   # the process groups over which the times are averaged before choosing (agree_over)
 
 
 def select(mode, device):
-    """kernels.select(mode, device), with `measure` deciding the shapes auto meets."""
-    kernels.measure = measure
-    return kernels.select(mode, device)
+    """local_ops.select(mode, device), with `measure` deciding the shapes auto meets."""
+    local_ops.measure = measure
+    return local_ops.select(mode, device)
 
 
 def agree_over(*groups):
@@ -36,11 +37,11 @@ def agree_over(*groups):
 
 
 def measure(op, key, fn, args):
-    """(forward, backward): the faster of kernels.IMPLS in each direction for fn(*args), timed
+    """(forward, backward): the faster of local_ops.IMPLS in each direction for fn(*args), timed
     (3 runs each after a warm-up) and averaged over the agree_over groups; logged once by rank 0.
     A fused forward that wins is kept when its backward loses."""
-    t = _averaged({name: _time(fn, args, name) for name in kernels.IMPLS}, args[0].device)
-    ways = tuple(min(kernels.IMPLS, key=lambda n: t[n][i]) for i in (0, 1))
+    t = _averaged({name: _time(fn, args, name) for name in local_ops.IMPLS}, args[0].device)
+    ways = tuple(min(local_ops.IMPLS, key=lambda n: t[n][i]) for i in (0, 1))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"kernels: {op} ({key}) " + "; ".join(
             f"{way} triton {t['triton'][i]:.3f} ms vs torch {t['torch'][i]:.3f} ms: {ways[i]}"
@@ -53,12 +54,12 @@ def _averaged(times, device):
     rank the same result)."""
     if not _agree:
         return times
-    t = torch.tensor([times[n] for n in kernels.IMPLS], dtype=torch.float64,
+    t = torch.tensor([times[n] for n in local_ops.IMPLS], dtype=torch.float64,
                      device=device)                                 # (2 impls, 2 directions)
     for group in _agree:   # TP, then DP: the mean over the stage's whole (dp, tp) slab
         dist.all_reduce(t, group=group)
         t /= dist.get_world_size(group)
-    return dict(zip(kernels.IMPLS, map(tuple, t.tolist())))
+    return dict(zip(local_ops.IMPLS, map(tuple, t.tolist())))
 
 
 def _time(fn, args, name, runs=3):
@@ -66,7 +67,7 @@ def _time(fn, args, name, runs=3):
     (CopyUp's forward runs without it) and past any saved-tensor hooks of the caller (inside an
     activation-checkpoint segment the timing's tensors would be counted as the segment's)."""
     plain = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    with kernels.using(name), torch.enable_grad(), plain:
+    with local_ops.using(name), torch.enable_grad(), plain:
         leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if torch.is_tensor(a)
                   else a for a in args]
         sync = torch.cuda.synchronize if leaves[0].is_cuda else (lambda: None)

@@ -1,4 +1,4 @@
-"""checkpointing.py: low-rank activation checkpointing, BOOST (arXiv 2512.12131) section 5.
+"""recompute.py: low-rank activation checkpointing, BOOST (arXiv 2512.12131) section 5.
 
 `--recompute=` chooses what autograd keeps between forward and backward:
 

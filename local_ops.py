@@ -1,10 +1,11 @@
-"""kernels.py: the local compute ops of bottleneck-aware TP: PyTorch references and Triton kernels.
+"""local_ops.py: the local compute ops of bottleneck-aware TP: PyTorch references, one dispatch.
 
 BOOST (arXiv 2512.12131) sections 3-4. layouts.py and parallel.py call `norm_down`, `grouped_up`
 (and its backward halves for parallel.CopyUp) and `rms_norm`; `select()` (train.py's
 --kernels=auto|triton|torch) decides whether they run the PyTorch reference (the specification, and
-the CPU path) or the Triton kernels; under auto, forward and backward are chosen apart. The weight
-gradients (dA, dB), which reduce over every token, are cuBLAS's on both paths.
+the CPU path) or the Triton kernels (triton_kernels.py); under auto, forward and backward are
+chosen apart. The weight gradients (dA, dB), which reduce over every token, are cuBLAS's on both
+paths.
 
 - norm_down: the local half of online RMSNorm fused with a grouped down-projection. For a rank's
   slice x (M, K) of the residual stream, its slice γ (K) of the gain and its columns A (N, K) of the
@@ -19,10 +20,12 @@ gradients (dA, dB), which reduce over every token, are cuBLAS's on both paths.
 
 The file reads in that order: the PyTorch references (the math, and the specification the kernels
 are tested against), the dispatch, then which implementation runs (--kernels; under auto the choice
-is plumbing/kernel_choice.py's, which times each op and shape and agrees across ranks). The ops as
-torch.compile sees them (custom ops, each direction one, with their autograd) are kernel_ops.py; the
-Triton kernels themselves, their tile configurations per GPU and their launches are
-triton_kernels.py; on a machine without CUDA they run in Triton's interpreter.
+is extensions/kernel_choice.py's, which times each op and shape and agrees across ranks). The
+Triton side is registered here from outside: extensions/kernel_ops.py wraps triton_kernels.py's
+launches as custom ops, each direction one, with their autograd (so a compiled layer is one graph),
+and sets `triton_ops` when imported (plumbing/placement.py imports it). Without it, or without
+Triton installed, only the references run. On a machine without CUDA the kernels run in Triton's
+interpreter.
 """
 import contextlib
 import os
@@ -30,20 +33,15 @@ import os
 import torch
 import torch.nn.functional as F
 
-try:
-    # first: it sets TRITON_INTERPRET=1 where there is no CUDA, before Triton loads
-    import triton_kernels as tk
-    import triton
-except ImportError:  # a laptop without Triton: the reference path still works
-    triton = None
-from kernel_ops import grouped_up_dz_op, grouped_up_op, norm_down_op, rms_norm_op
-
 BACKENDS = ("auto", "triton", "torch")
 IMPLS = ("triton", "torch")
 _backend = "torch"
 _choices = {}   # (op, shape key) -> (forward, backward) of IMPLS, decided once per run under auto
+# the Triton side (norm_down_op, grouped_up_op, grouped_up_dz_op, rms_norm_op): the module
+# extensions/kernel_ops.py, which sets this when it is imported and Triton is installed
+triton_ops = None
 # under auto, what decides an (op, shape) met the first time: measure(op, shape key, fn, args) ->
-# (forward, backward); plumbing/kernel_choice.py's timing, installed by its select()
+# (forward, backward); extensions/kernel_choice.py's timing, installed by its select()
 measure = None
 
 # ------------------------------------------------------------------------- PyTorch references
@@ -83,7 +81,7 @@ def norm_down(x, gamma, A):
     if ways == ("torch", "torch"):
         return norm_down_ref(x, gamma, A)
     A = _autocast(A, x)
-    H, S = norm_down_op(x.reshape(-1, x.shape[-1]), gamma, A, *ways)
+    H, S = triton_ops.norm_down_op(x.reshape(-1, x.shape[-1]), gamma, A, *ways)
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
 
@@ -96,7 +94,7 @@ def grouped_up(z, Bs):
                   (z, *Bs))
     if ways == ("torch", "torch"):
         return grouped_up_ref(z, Bs)
-    Y = grouped_up_op(_autocast(z, z).reshape(-1, z.shape[-1]), list(Bs), *ways)
+    Y = triton_ops.grouped_up_op(_autocast(z, z).reshape(-1, z.shape[-1]), list(Bs), *ways)
     return [y.view(*z.shape[:-1], -1) for y in Y.split([B.shape[0] for B in Bs], -1)]
 
 
@@ -110,7 +108,7 @@ def grouped_up_dz(dys, Bs):
     if way == "torch":
         return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)   # (M, Σn_g), built once
-    return grouped_up_dz_op(dY, list(Bs)).view(*dys[0].shape[:-1], -1)
+    return triton_ops.grouped_up_dz_op(dY, list(Bs)).view(*dys[0].shape[:-1], -1)
 
 
 def grouped_up_dB(dys, z, Bs):
@@ -126,11 +124,11 @@ def rms_norm(x, gamma, eps):
     if ways == ("torch", "torch"):
         return rms_norm_ref(x, gamma, eps)
     # (x in its own dtype, as the reference's F.rms_norm takes it under autocast: y in x's dtype)
-    return rms_norm_op(x.reshape(-1, x.shape[-1]), gamma, eps, *ways)[0].view(x.shape)
+    return triton_ops.rms_norm_op(x.reshape(-1, x.shape[-1]), gamma, eps, *ways)[0].view(x.shape)
 
 
 # ---------------------------------------------------------------------- which one runs: --kernels
-# (under auto, decided per op and shape by `measure`: plumbing/kernel_choice.py)
+# (under auto, decided per op and shape by `measure`: extensions/kernel_choice.py)
 
 def select(mode, device):
     """Choose the implementation: triton or torch everywhere; auto = on CUDA, per op and shape, the
@@ -139,12 +137,13 @@ def select(mode, device):
     global _backend
     if mode not in BACKENDS:
         raise ValueError(f"kernels={mode} is not one of {', '.join(BACKENDS)}")
-    if mode == "triton" and triton is None:
-        raise ValueError("kernels=triton but Triton is not installed")
+    if mode == "triton" and triton_ops is None:
+        raise ValueError("kernels=triton but Triton is not installed (or extensions/kernel_ops.py, "
+                         "the Triton side, is not imported)")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if mode == "triton" and not str(device).startswith("cuda") and not interpreted:
         raise ValueError("kernels=triton on a CPU needs TRITON_INTERPRET=1 set before start")
-    _backend = mode if mode != "auto" else ("auto" if triton and str(device).startswith("cuda")
+    _backend = mode if mode != "auto" else ("auto" if triton_ops and str(device).startswith("cuda")
                                             else "torch")
     _choices.clear()
     return _backend
@@ -191,8 +190,9 @@ def chosen():
 
 def _rows(t):
     """The token count of t (..., width) as auto's shape keys name it: rounded up to a power of two
-    (triton_kernels.bucket), so that sampling's M = 1, 2, 3, ... are timed a few times, not 200."""
-    return f"≤{tk.bucket(t.numel() // t.shape[-1])}"
+    (as triton_kernels.bucket keys its tunings), so that sampling's M = 1, 2, 3, ... are timed a
+    few times, not 200."""
+    return f"≤{1 << (max(1, t.numel() // t.shape[-1]) - 1).bit_length()}"
 
 
 def _which(op, shape_key, fn, args):
@@ -208,6 +208,6 @@ def _which(op, shape_key, fn, args):
             return "torch", "torch"   # (timed in the eager warm-up steps, not while tracing)
         if measure is None:
             raise RuntimeError("kernels: auto without a measure: select it with "
-                               "plumbing.kernel_choice.select")
+                               "extensions.kernel_choice.select")
         _choices[(op, key)] = measure(op, key, fn, args)
     return _choices[(op, key)]

@@ -17,7 +17,7 @@ along X's long side (BTP: A (r, d) and B (d, r) along d) the Newton-Schulz steps
 Gram matrix G = Σ_ranks X_i·X_iᵀ, and each rank updates its own columns (the work split t ways).
 Gather: the piece's update is gathered whole, orthogonalised on every rank, and its slice kept (the
 only way where vanilla cuts the latent r, Megatron its rows or columns). Owner
-(`parallel.owner_computes`): each matrix is made whole on one owner rank of the TP group and
+(`buckets.owner_computes`): each matrix is made whole on one owner rank of the TP group and
 orthogonalised there, in two all-to-alls a step: 2/t of the gather's bytes and 1/t of its work a
 rank. The collectives come in buckets, not one a matrix: one all-gather of every gathered piece a
 step, one all-reduce of every Gram piece's r×r matrix at each of the 5 steps (and one of the
@@ -36,8 +36,10 @@ import re
 
 import torch
 
-import dp_shard
-from parallel import all_reduce, gathered_all, owner_computes, owners
+from extensions import dp_shard
+import layouts
+from extensions.buckets import gathered_all, owner_computes, owners
+from parallel import all_reduce
 
 NS = (3.4445, -4.7750, 2.0315)
 STEPS = 5
@@ -233,7 +235,7 @@ class MuonAdamW(torch.optim.AdamW):
 
 
 def configure(model, tc, prefer=None):
-    """train.py's optimizer for `model` (a layouts.TPLlama, or model.Llama on one device): AdamW
+    """train.py's optimizer for `model` (a tp_model.TPLlama, or model.Llama on one device): AdamW
     (tc.optimizer="adamw"): weight decay on 2-D weights only, not on norm gains; fused, so a step
     with found_inf = 1 changes nothing. "muon": the decoder's matrices (MATRIX) go to Muon at
     tc.muon_lr with tc.muon_momentum, the rest to that AdamW."""
@@ -285,7 +287,7 @@ def step_cost(pieces, alpha, bw, rate, size):
     """Seconds of one Muon step's TP work on the busiest rank, the pieces cut for one path: α a
     collective, the bytes a rank receives over the bandwidth (ring: an all-gather (t−1)/t of the
     whole, an all-reduce 2(t−1)/t; an all-to-all (t−1)/t² of the whole), the Newton-Schulz FLOPs
-    at `rate` (the owner path: the busiest owner's, as parallel.owners assigns them)."""
+    at `rate` (the owner path: the busiest owner's, as buckets.owners assigns them)."""
     cut = [pc for pc in pieces if pc.mode != "whole"]
     t = cut[0].t
     by = {mode: [pc for pc in cut if pc.mode == mode] for mode in ("gather", "gram", "owner")}
@@ -359,9 +361,9 @@ def per_layer_traffic(layout, cfg, t, prefer):
     for out, inp, rho, col in [(d, d, ra, True), (kv, d, ra, True), (kv, d, ra, True),
                                (d, d, ra, False), (f, d, rm, True), (f, d, rm, True),
                                (d, f, rm, False)]:                  # q, k, v, o, gate, up, down
-        mats = {"megatron": [(out, inp, 0 if col else 1)],
-                "btp": [(rho, inp, 1), (out, rho, 0)],
-                "vanilla": [(rho, inp, 0), (out, rho, 1)]}[layout]
+        cut = layouts.LAYOUTS[layout].cut   # the dims A and B (dense: W) are cut along
+        mats = [(rho, inp, cut[0]), (out, rho, cut[1])] if layouts.LAYOUTS[layout].lowrank \
+            else [(out, inp, cut[0] if col else cut[1])]
         for m, n, dim in mats:
             piece = Piece(0, m // t if dim == 0 else m, (0, n // t if dim == 1 else n), dim, t,
                           prefer)
@@ -374,7 +376,7 @@ def traffic(optimizer, group="tp"):
     """The elements Muon's collectives over `group` carry in one step (the ledger's phase "optim"
     counts the results). "tp": per Gram piece its r×r matrix at each of the 5 steps, and one norm;
     per gathered piece the whole matrix (m·n); owner pieces: this rank's block of every one
-    (m·n/t) to the owners, and of those it owns, every rank's slice back (m·n: parallel.owners).
+    (m·n/t) to the owners, and of those it owns, every rank's slice back (m·n: buckets.owners).
     "dp" (--dp_shard): every matrix's TP-local update, its m rows padded to a multiple of dp."""
     total = 0
     for g in optimizer.param_groups:

@@ -12,17 +12,20 @@ Not in the BOOST paper (arXiv 2512.12131), which leaves ZeRO and FSDP out of sco
         after its forward and all-gathered again for its backward.
 
 Each decoder layer is one FSDP unit and the root (embedding, final norm, head; on a pipeline stage
-what the stage holds) another; the units hold each layout's TP-local parameters (layouts.TPLlama:
+what the stage holds) another; the units hold each layout's TP-local parameters (tp_model.TPLlama:
 under BTP the (r, d/t) and (d/t, r) slices), so FSDP shards over dp what TP already cut. FSDP2
 issues its collectives itself, through the Counted ones below, so the ledger (and --explain) sees
 each all-gather and reduce-scatter it sends. Under recompute=lowrank a layer's segments run inside
-its forward (checkpointing.py), so FSDP2 gathers its parameters around them as around any forward.
+its forward (recompute.py), so FSDP2 gathers its parameters around them as around any forward.
 Muon's updates, which need whole rows, are gathered over dp in one call (gathered_rows).
 """
 import torch
 import torch.distributed as dist
 
 from parallel import all_gather_last
+# a dp shard's rows, read through here too (sharding.py holds them: the story's code meets them)
+from sharding import (chunk_rows, held, is_sharded, local, rows_held,  # noqa: F401
+                      shard_bounds, write_rows)
 
 MODES = ("none", "grad", "full")
 # (the names of torch 2.13; the older ones before it)
@@ -88,68 +91,9 @@ def reshard(model):
             m.reshard()
 
 
-def is_sharded(t):
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
-
-
-def local(t):
-    """This rank's shard of a dp-sharded tensor (a plain tensor as it is)."""
-    return t.to_local() if is_sharded(t) else t
-
-
 def whole(t):
     """A dp-sharded parameter or moment gathered to this rank's TP-local tensor (a collective)."""
     return t.full_tensor() if is_sharded(t) else t
-
-
-def rows_held(model, rows):
-    """How many of a tensor's `rows` rows this rank's dp shard holds (FSDP2 cuts dim 0 as
-    torch.chunk does; without --dp_shard all of them)."""
-    if getattr(model, "dp_shard", "none") == "none":
-        return rows
-    lo, hi = shard_bounds(rows, *model.dp_place)
-    return hi - lo
-
-
-def chunk_rows(n, dp):
-    """The rows a dp shard of n rows holds at most: FSDP2 cuts dim 0 as torch.chunk does,
-    ceil(n/dp) rows a shard, so the last ranks may hold fewer, or none."""
-    return -(-n // dp)
-
-
-def shard_bounds(n, dp_rank, dp):
-    """(lo, hi): the rows of n that dp shard dp_rank of dp holds (chunk_rows a shard)."""
-    size = chunk_rows(n, dp)
-    lo = min(n, dp_rank * size)
-    return lo, min(n, lo + size)
-
-
-def rows_of(t):
-    """(lo, hi): the rows of the TP-local tensor this rank's dp shard of `t` holds."""
-    mesh = t.device_mesh
-    return shard_bounds(t.shape[0], mesh.get_local_rank(), mesh.size())
-
-
-def held(t, rows):
-    """(view, part): the rows `rows` (a slice) of the TP-local tensor t that this rank holds, as a
-    view of what it holds, and which of `rows` they are (a slice from 0); None where this rank's
-    dp shard holds none of them. Without --dp_shard every row."""
-    if not is_sharded(t):
-        return t.data[rows], slice(0, rows.stop - rows.start)
-    lo, hi = rows_of(t)
-    a, b = max(rows.start, lo), min(rows.stop, hi)
-    if a >= b:
-        return None
-    return t.to_local()[a - lo:b - lo], slice(a - rows.start, b - rows.start)
-
-
-def write_rows(param, rows, values):
-    """values into rows `rows` (a slice) of the TP-local parameter; under --dp_shard only the
-    rows this rank's shard holds."""
-    got = held(param, rows)
-    if got is not None:
-        got[0].copy_(values[got[1]])
 
 
 def gathered_rows(params, rows):

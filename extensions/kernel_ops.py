@@ -1,7 +1,9 @@
 """kernel_ops.py: BOOST's local ops as torch.compile sees them: custom ops with their autograd.
 
-BOOST (arXiv 2512.12131) sections 3-4; what each op computes is kernels.py's docstring, which
-chooses the implementation and calls these. Each direction of an op is one custom op
+Beyond the BOOST paper (arXiv 2512.12131, sections 3-4 fuse these ops; registering them for
+torch.compile is this project's): what each op computes is local_ops.py's docstring, which
+chooses the implementation and calls these, once this file has registered itself there
+(`local_ops.triton_ops`, at the end of this file). Each direction of an op is one custom op
 (torch.library.custom_op) whose body runs the Triton kernel (triton_kernels.py) or the PyTorch
 reference, as its `fwd` / `bwd` argument says. Why ops and not autograd Functions: dynamo cannot
 trace a Triton launch or its cached autotuner, so an autograd Function around one broke
@@ -10,8 +12,12 @@ one node of the graph, its backward registered beside it (register_autograd), an
 given without running it (register_fake). Inductor calls the op's body as it is: the Triton
 kernels run autotuned as in eager mode.
 """
+import sys
+
 import torch
 from torch import Tensor
+
+import local_ops
 
 try:
     import triton_kernels as tk   # (first: TRITON_INTERPRET=1 where there is no CUDA)
@@ -215,3 +221,7 @@ def _rms_norm_grad(ctx, dy, _):
 
 
 rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_save)
+
+
+if triton is not None:   # the Triton side of local_ops.py's dispatch
+    local_ops.triton_ops = sys.modules[__name__]
