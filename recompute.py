@@ -26,7 +26,7 @@ One layer under BTP, segments [ ... ], all-reduces between them (b s elided; t =
 (The residual x'' ends one layer's last segment and starts the next layer's first: it is kept once,
 as the input of both. A segment never spans two layers: the layer's own forward runs its chunks,
 each through the `segment` it is handed, so FSDP2 gathers the layer's parameters around all of
-them as around any forward: dp_shard.py.)
+them as around any forward: extensions/dp_shard.py.)
 
 Saved per token per layer with `lowrank` (e = bytes per activation element; with rank ra for
 attention and rm for the MLP):

@@ -108,7 +108,7 @@ class Sharded(nn.Module):
 
     def grad_norm_sq(self):
         """Squared global gradient norm: sharded parameters summed over TP, replicated counted once;
-        under --dp_shard every gradient is also a dp shard (FSDP2's DTensor): summed over dp too. One
+        under --dp_shard every gradient is also a dp shard (FSDP2's): summed over dp too. One
         torch._foreach_norm per kind (one kernel for many tensors, no copy of any gradient), the
         squares of the per-tensor norms summed in fp64."""
         params = dict(self.named_parameters())

@@ -212,7 +212,8 @@ def schedule_lines(tc, n_micro):
              "  (2F1: stage 2's forward of micro-batch 1; B a whole backward, I and W its input "
              "and weight halves)",
              "  idle share as modelled (schedule_sim.timeline: F 1, B 2, I and W 1 each, sends "
-             f"free); the textbook 1F1B bubble (p-1)/(m+p-1) = {(tc.pp - 1) / (n_micro + tc.pp - 1):.2f}"]
+             f"free); the textbook 1F1B bubble (p-1)/(m+p-1) = "
+             f"{(tc.pp - 1) / (n_micro + tc.pp - 1):.2f}"]
     for r, a in acts.items():
         lines.append(f"  pp rank {r} (idle {share[r]:.2f}): "
                      + " ".join(str(x) for x in a if x is not None))

@@ -91,7 +91,7 @@ class TrainConfig:
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch elsewhere) | triton | torch (local_ops)
     # TP: backward's all-reduces overlap the weight-gradient GEMMs (parallel.CopyUp)
     overlap: bool = True
-    # none (DDP) | grad (FSDP2, ZeRO-2 style) | full (ZeRO-3 style): dp_shard.py
+    # none (DDP) | grad (FSDP2, ZeRO-2 style) | full (ZeRO-3 style): extensions/dp_shard.py
     dp_shard: str = "none"
     # --- system
     device: str = "auto"           # auto | cpu | cuda | cuda:N

@@ -96,7 +96,7 @@ def compute_dtype(tc, device):
 
 def check_pipeline(cfg, tc, n_micro, dp):
     """The pipeline's stages and micro-batches fit its schedule (ValueError naming the
-    constraint): pipeline.py's schedules and what each needs."""
+    constraint): extensions/pipeline.py's schedules and what each needs."""
     sched, pp, v = f"--pp_schedule={tc.pp_schedule}", tc.pp, tc.pp_virtual_stages
     more = f"raise gradient_accumulation_steps (the micro-batches times dp={dp})"
     if pp == 1:

@@ -8,7 +8,7 @@ BOOST (arXiv 2512.12131) §2-6, as the run computes them; nothing here is writte
     parameter it touched;
   - parallel.LEDGER's listener sees every collective, in order, with its group and size (under
     --dp_shard FSDP2's all-gathers and reduce-scatters too: dp_shard.py records them; with
-    --optimizer=muon the optimizer step's, phase "optim": muon.py);
+    --optimizer=muon the optimizer step's, phase "optim": extensions/muon.py);
   - SavedBytes's pack hook (below; the recompute tests measure with it too) sees what autograd
     keeps for backward;
   - torch.utils.flop_counter's formulas count the FLOPs of those ops.
@@ -31,7 +31,7 @@ CROSS_ENTROPY = "cross-entropy over the vocabulary shards: max, target logit, Σ
 GATHERED = ("3r", "2r", "2r_m", "r", "r_m", "d")   # the widths a TP all-gather may carry
 FSDP = {"all_gather": "a unit's parameters for the next ops, gathered over dp (FSDP2)",
         "reduce_scatter": "its gradients, summed and cut over dp (FSDP2)"}
-# --optimizer=muon's collectives (muon.py), by op and group
+# --optimizer=muon's collectives (extensions/muon.py), by op and group
 OPTIM = {("all_reduce", "tp"): "Muon: the first the updates' squared norms, then one a Newton-"
                                "Schulz step: the r×r Gram matrices X·Xᵀ, summed over tp",
          ("all_gather", "tp"): "Muon: a matrix's update, gathered whole to orthogonalise",

@@ -1,4 +1,4 @@
-"""test_dp_shard.py: --dp_shard (dp_shard.py, FSDP2 on the dp dimension) against one device: loss and
+"""test_dp_shard.py: --dp_shard (extensions/dp_shard.py, FSDP2 on the dp dimension) against one device: loss and
 every gradient gathered to full shape for btp, vanilla and megatron at dp2 and dp2 x tp2, each
 recompute mode it takes, and at dp2 x pp2; the ledger's count of FSDP's collectives; train.py's
 runs equal to one process; checkpoints resumed across dp_shard settings and layouts; what it refuses.

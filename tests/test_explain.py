@@ -67,7 +67,7 @@ def test_explain_one_device(tmp_path, recompute):
 @pytest.mark.parametrize("arch, layout", CASES)
 def test_explain_tp2_equals_training_step_and_formulas(tmp_path, data_dir, arch, layout):
     """The step's collectives per layer equal layouts.py's formulas, and with --optimizer=muon the
-    optimizer step's (phase optim) muon.py's; the TP bytes per token those of a training step."""
+    optimizer step's (phase optim) extensions/muon.py's; the TP bytes per token those of a training step."""
     out = explain(2, tmp_path, f"--arch={arch}", "--tp=2", f"--layout={layout}", "--optimizer=muon")
     tokens, totals, saved, sections, table = parse(out)
     cfg, _ = options.parse_args([*TINY, f"--arch={arch}"])

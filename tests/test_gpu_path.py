@@ -334,7 +334,7 @@ def _graphs(tp_rank, world, out=None):
 
 
 def test_every_layout_compiles_to_one_graph_with_the_kernels_at_tp1():
-    """The Triton kernels are custom ops (kernel_ops.py), the collectives functional under
+    """The Triton kernels are custom ops (extensions/kernel_ops.py), the collectives functional under
     compile: a layer is one graph, no break, with --kernels=torch and --kernels=triton; and LaX
     with recompute=lowrank, whose crossing in each checkpointed chunk mutates nothing outside it."""
     cases = [(layout, "none") for _, layout in GRAPH_CASES] + [LAX_CASE[1::2]]

@@ -246,7 +246,7 @@ def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
 
 
 def test_auto_without_a_measure_is_an_error_not_a_silent_reference(monkeypatch):
-    """local_ops.py asks plumbing/kernel_choice.py's measure for a shape auto has not met; without one
+    """local_ops.py asks extensions/kernel_choice.py's measure for a shape auto has not met; without one
     installed (kernel_choice.select installs it) auto refuses rather than running the reference."""
     monkeypatch.setattr(local_ops, "measure", None)
     local_ops.select("torch", "cpu")   # (forgets earlier choices)

@@ -1,4 +1,4 @@
-"""test_muon.py: Muon (muon.py) equals torch.optim.Muon on one device, and under every layout equals one
+"""test_muon.py: Muon (extensions/muon.py) equals torch.optim.Muon on one device, and under every layout equals one
 device's Muon: the loss at every step and every parameter after a few steps, with the Gram path and
 the gather path, at tp=2 and tp=4 and dp2 × tp2; its collectives in the ledger (phase "optim") equal
 the formula; train.py with --optimizer=muon at tp=2 and pp=2 as one process, and resumed exactly.
