@@ -94,7 +94,7 @@ GROUPS = {"qkv": ("attn.q", "attn.k", "attn.v"), "o": ("attn.o",), "gu": ("mlp.g
 GATE_PARAMS = {"kron": ("D", "E"), "linear": ("W.weight", "W.bias"), "identity": ()}
 
 
-def group_pieces(prefix, full, gate):
+def crossing_sources(prefix, full, gate):
     """(local name, [full-model names]) of a layer's crossing parameters, one local parameter per
     group and kind, its projections' pieces concatenated on dim 0; nothing for a layer that does not
     cross (layer 0, or no LaX: `full`, the model's state, holds no such names)."""
@@ -107,7 +107,7 @@ def group_pieces(prefix, full, gate):
 
 
 def cross_stacked(module, group, gate, z, h_prev):
-    """`cross` with the local parameters group_pieces named on `module`, unstacked to (G, ...)."""
+    """`cross` with the parameters crossing_sources named on `module`, unstacked (G, ...)."""
     G = len(GROUPS[group])
 
     def get(param):

@@ -23,10 +23,10 @@ from parallel import all_reduce
 
 @dataclass
 class Spec:
-    """How a local parameter derives from the full model's: the full parameters `pieces`, each
+    """How a local parameter derives from the full model's: the full parameters `sources`, each
     split into t chunks along `dim` (None: replicated), this rank's chunks concatenated on dim 0
     (`rows` of each in the local parameter)."""
-    pieces: list
+    sources: list
     dim: object
     rows: list
 
@@ -52,7 +52,7 @@ def check_divisible(cfg, tp, lay, others, pp=1):
 def cut_local(full, spec, tp):
     """This rank's local tensor of `spec`, cut from a full-model dict {name: tensor}."""
     parts = [full[name] if spec.dim is None else full[name].chunk(tp.size, spec.dim)[tp.tp_rank]
-             for name in spec.pieces]
+             for name in spec.sources]
     return torch.cat(parts, 0)
 
 
@@ -63,20 +63,20 @@ class Sharded(nn.Module):
         super().__init__()
         self.tp, self._full, self.specs = tp, full, {}
 
-    def shard(self, name, pieces, dim):
-        full_rows = [self._full[piece].shape[0] for piece in pieces]
-        spec = Spec(pieces, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
+    def shard(self, name, sources, dim):
+        full_rows = [self._full[source].shape[0] for source in sources]
+        spec = Spec(sources, dim, [n // self.tp.size if dim == 0 else n for n in full_rows])
         self.register_parameter(name, nn.Parameter(cut_local(self._full, spec, self.tp).clone()))
         self.specs[name] = spec
 
-    def pieces(self):
+    def parts(self):
         """(local parameter, full name, its rows in the local tensor, shard dim or None) for every
         full-model parameter each local one is cut from."""
         params, out = dict(self.named_parameters()), []
         for name, spec in self.named_specs():
             start = 0
-            for piece, rows in zip(spec.pieces, spec.rows):
-                out.append((params[name], piece, slice(start, start + rows), spec.dim))
+            for source, rows in zip(spec.sources, spec.rows):
+                out.append((params[name], source, slice(start, start + rows), spec.dim))
                 start += rows
         return out
 
@@ -102,7 +102,7 @@ class Sharded(nn.Module):
             else:
                 shards = [torch.empty_like(local_t) for _ in range(self.tp.size)]
                 dist.all_gather(shards, local_t.contiguous(), group=self.tp.group)
-            for piece, chunks in zip(spec.pieces, zip(*[s.split(spec.rows, 0) for s in shards])):
+            for piece, chunks in zip(spec.sources, zip(*[s.split(spec.rows, 0) for s in shards])):
                 out[piece] = chunks[0] if spec.dim is None else torch.cat(chunks, spec.dim)
         return out
 
@@ -201,7 +201,7 @@ def materialize(model, ref):
     params = dict(ref.named_parameters())   # (a tied head is the embedding: one name)
     t, k = model.tp.size, model.tp.tp_rank
     with torch.no_grad():
-        for local, name, rows, dim in model.pieces():
+        for local, name, rows, dim in model.parts():
             shape = params[name].shape
             region = [(0, shape[0]), (0, math.prod(shape[1:]))]   # (rows, columns) of the full
             if dim is not None:   # this TP rank's slice of that dim

@@ -21,7 +21,7 @@ The contract an extension of a layout relies on (layouts.py's BTPBlock.forward k
 import functools
 
 import tp_model
-from lax import GROUPS, cross_stacked, group_pieces
+from lax import GROUPS, cross_stacked, crossing_sources
 from layouts import BTPBlock, VanillaBlock
 from parallel import Copy, Gather
 
@@ -31,17 +31,17 @@ CHUNK_GROUPS = {"attn_chunk": "qkv", "o_chunk": "o", "mlp_chunk": "gu", "down_ch
 class Crossed:
     """What LaX adds to a layer of layouts.py, before the layout's class in the MRO: its crossing
     parameters, and latents carried between layers. The layer's forward runs its chunks through a
-    `segment`; this one runs each chunk that emits a latent (CHUNK_GROUPS) as `crossed`, with the
+    `segment`; this one runs each chunk that emits a latent (CHUNK_GROUPS) as `run_crossing`, the
     previous layer's latent of its projections as an argument and its own as a result, so that
     recompute (a checkpointed segment) replays the crossing from the same tensors. A layout's
     subclass says how its latents cross: `cross_emit`."""
 
     def __init__(self, cfg, tp, full, prefix):
         super().__init__(cfg, tp, full, prefix)
-        pieces = group_pieces(prefix, full, cfg.lax_gate)
-        for name, names in pieces:   # replicated: every rank crosses whole latents alike
+        sources = crossing_sources(prefix, full, cfg.lax_gate)
+        for name, names in sources:   # replicated: every rank crosses whole latents alike
             self.shard(name, names, None)
-        self.crosses = bool(pieces)   # (layer 0 emits its latents, it does not cross)
+        self.crosses = bool(sources)   # (layer 0 emits its latents, it does not cross)
 
     def forward(self, x, cos, sin, prev=None, segment=None):
         """(x, the latents of q|k|v, o, gate|up, down); prev: the previous layer's (None: layer 0
@@ -52,23 +52,23 @@ class Crossed:
         def carried(chunk, *args):
             if chunk.__name__ not in CHUNK_GROUPS:   # (qkv_down: no latent yet)
                 return run(chunk, *args)
-            *out, h = run(self.crossed, chunk, prev[len(made)], *args)
+            *out, h = run(self.run_crossing, chunk, prev[len(made)], *args)
             made.append(h)
             return out[0] if len(out) == 1 else tuple(out)
         x, _ = super().forward(x, cos, sin, segment=carried)
         return x, tuple(made)
 
-    def crossed(self, chunk, h_prev, *args):
+    def run_crossing(self, chunk, h_prev, *args):
         """The layout's chunk(*args), its emit crossing with h_prev: (the chunk's results, the
-        latent for the next layer). The chunk runs on a Carrier rather than on a flag set on the
+        latent for the next layer). The chunk runs on a ChunkView rather than on a flag set on the
         layer: under recompute this runs inside a checkpoint, which torch.compile traces as one
         graph only if nothing from outside it is mutated."""
-        view = Carrier(self, CHUNK_GROUPS[chunk.__name__], h_prev)
+        view = ChunkView(self, CHUNK_GROUPS[chunk.__name__], h_prev)
         out = chunk.__func__(view, *args)
         return (*out, view._made) if isinstance(out, tuple) else (out, view._made)
 
 
-class Carrier:
+class ChunkView:
     """The layer as one chunk sees it under LaX: the layer itself in every attribute but `emit`,
     which crosses the chunk's latent with the previous layer's and keeps its own, `_made`. (Its
     own attributes start with _, so that none hides one of the layer's.)"""

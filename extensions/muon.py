@@ -343,7 +343,7 @@ def muon_params(model):
     local parameter holds pieces of one kind; model.Llama's names are the full names)."""
     if hasattr(model, "named_specs"):
         local = dict(model.named_parameters())
-        return [local[n] for n, spec in model.named_specs() if MATRIX.search(spec.pieces[0])]
+        return [local[n] for n, spec in model.named_specs() if MATRIX.search(spec.sources[0])]
     return [p for n, p in model.named_parameters() if MATRIX.search(n)]
 
 

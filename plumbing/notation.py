@@ -71,7 +71,7 @@ class Names:
     def local(self, spec, cfg):
         """A layout's parameter in symbols, from its Spec: [q.A, k.A, v.A] split on dim 1 -> (3r,
         d/t)."""
-        full = [self.param(p, cfg) for p in spec.pieces]
+        full = [self.param(p, cfg) for p in spec.sources]
         rows = [f[0] for f in full]
         sym = [rows[0] if len(rows) == 1 else f"{len(rows)}{rows[0]}" if len(set(rows)) == 1
                else "+".join(rows),

@@ -106,7 +106,7 @@ class TrainConfig:
 
 CHOICES = {"arch": ARCHS, "mlp_gate": ("auto",) + GATES, "lax_gate": LAX_GATES,
            "init_from": ("scratch", "resume", "auto"), "dtype": ("auto", "float32", "bfloat16"),
-           "layout": ("auto", *layouts.LAYOUTS),
+           "layout": lambda: ("auto", *layouts.LAYOUTS),   # (read when asked: a fork's too)
            "recompute": RECOMPUTE,
            "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"),
            "kernels": local_ops.BACKENDS,
@@ -297,8 +297,9 @@ def _parse(argv, recorded):
     for key, (text, where) in texts.items():
         cls, f = known[key]
         value = _convert(where, type(f.default), text)
-        if key in CHOICES and value not in CHOICES[key]:
-            raise ValueError(f"{where}={value} is not one of {', '.join(CHOICES[key])}")
+        allowed = CHOICES[key]() if callable(CHOICES.get(key)) else CHOICES.get(key)
+        if allowed and value not in allowed:
+            raise ValueError(f"{where}={value} is not one of {', '.join(allowed)}")
         given[cls][key] = value
     tc = TrainConfig(**given[TrainConfig])
     check_values(tc)

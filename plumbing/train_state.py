@@ -58,7 +58,7 @@ def state_views(raw_model, optimizer, mesh):
             optimizer.state[p].update(step=torch.zeros((), device=p.device),
                                       **{k: torch.zeros_like(p) for k in kinds(p)})
     views = {}
-    for p, name, rows, dim in raw_model.pieces():
+    for p, name, rows, dim in raw_model.parts():
         moments = [(k, optimizer.state[p][k]) for k in kinds(p)] if optimizer is not None else []
         for kind, tensor in [("model", p.data)] + moments:
             key = "model." + name if kind == "model" else f"optim.{kind}.{name}"

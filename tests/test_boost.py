@@ -269,13 +269,16 @@ def straight(tmp_path_factory, data_dir):
 
 
 @pytest.mark.slow
-def test_checkpoint_reshards_across_layouts(tmp_path, data_dir, straight):
+def test_checkpoint_reshards_across_meshes_and_layouts(tmp_path, data_dir, straight):
+    """A btp tp=2 checkpoint resumed on one process, at dp=2 x tp=2, and at tp=4 under vanilla (TINY's
+    two k/v heads do not split four ways under btp; vanilla cuts r): the single-process losses.
+    test_pipeline's checkpoint test moves pp too."""
     common = [f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
     torchrun(2, f"--out_dir={tmp_path / 'tp2'}", *common, "--max_iters=4", "--tp=2")
     written = train_state.checkpoint_dirs(tmp_path / "tp2")
     assert [Path(d).name for d in written] == ["iter_0000004"]
-    # (tp=4 loads the same DTensor shards another way; test_pipeline's checkpoint test moves pp too)
-    for name, nproc, layout in (("tp1", 1, []), ("dp2tp2", 4, ["--tp=2", "--dp=2"])):
+    for name, nproc, layout in (("tp1", 1, []), ("dp2tp2", 4, ["--tp=2", "--dp=2"]),
+                                ("vanilla_tp4", 4, ["--tp=4", "--layout=vanilla"])):
         shutil.copytree(tmp_path / "tp2" / "checkpoints", tmp_path / name / "checkpoints")
         res = torchrun(nproc, f"--out_dir={tmp_path / name}", *common, "--init_from=resume", *layout)
         assert "resuming from" in res.stdout and "iter_0000004" in res.stdout

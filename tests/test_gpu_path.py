@@ -306,7 +306,7 @@ def test_optimizer_state_is_made_on_each_parameter_device():
 # ---------------------------------------------------------------- issue 42: compiled graphs
 
 GRAPH_CASES = (("cola", "btp"), ("svd", "vanilla"), ("full", "megatron"))
-# LaX under recompute=lowrank: its crossing runs inside each checkpointed chunk (lax.Carrier)
+# LaX under recompute=lowrank: its crossing runs inside each checkpointed chunk (lax_layers.ChunkView)
 LAX_CASE = ("cola", "btp", dict(lax=True), "lowrank")
 
 

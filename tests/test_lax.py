@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from recompute import RECOMPUTE
 import layouts
+from ablations import ablated
 from tp_model import TPLlama
 import parallel
 from plumbing.recorder import SavedBytes
@@ -147,14 +148,18 @@ def _equivalence_worker(rank, world, meshes, every_mode=True):
         modes = RECOMPUTE   # (every mode with every case, or each case with one mode in turn)
         pairs = [(c, m) for c in CASES for m in modes] if every_mode else \
             [(c, modes[i % len(modes)]) for i, c in enumerate(CASES)]
-        for (arch, layout, gate), recompute in pairs:
-            where = f"{arch}/{layout} gate={gate} recompute={recompute} dp={dp} tp={tp}"
+        # an ablated BTP layer (tools/ablations.py) extended alike: the mixin sits before any class
+        pairs += [(("cola", "btp", "kron", options), modes[-1 - i]) for i, options in
+                  enumerate(({"online_norm": False}, {"grouped": False}))] if tp == 2 else []
+        for (arch, layout, gate, *options), recompute in pairs:
+            where = f"{arch}/{layout} gate={gate} {options} recompute={recompute} dp={dp} tp={tp}"
             torch.manual_seed(0)
             ref = Llama(small_cfg(arch, n_layer=3, lax=True, lax_gate=gate))
             idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
             logits, loss = ref(idx, idx)
             loss.backward()
-            tp_model = TPLlama(ref, handle, layout, recompute=recompute)
+            block = ablated(**options[0]) if options else None
+            tp_model = TPLlama(ref, handle, layout, recompute=recompute, block=block)
             model = DDP(tp_model, process_group=mesh.get_group("dp")) if dp > 1 else tp_model
             share = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
             tp_logits, tp_loss = model(idx[share], idx[share])

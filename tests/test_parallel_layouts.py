@@ -1,19 +1,24 @@
 """test_parallel_layouts.py: the three TP layouts against the single-device model: logits, loss and every
 gradient at TP 2 (both --overlap settings, the bench's ablations), TP 4 and dp x tp 2 x 2; train.py's TP
-runs equal to one process; torch.compile and bf16 autocast under TP.
+runs equal to one process; torch.compile and bf16 autocast under TP; a layout added in one file (the
+walkthrough's question 12) read by everything that reads layouts.
 """
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import layouts
 import local_ops
 from tp_model import TPLlama
 import parallel
 import sharding
 from model import Llama
+from extensions import muon
 from plumbing import placement
+from plumbing.options import parse_args
 from ablations import ablated
 from conftest import TINY, TP_CASES, check_tp_step, losses, metrics, run_train, small_cfg, spawn, torchrun
 
@@ -154,3 +159,63 @@ def _bf16_worker(rank, world):
 
 def test_bf16_every_layout_tp2_equals_one_device():
     spawn(2, _bf16_worker)
+
+
+# ------------------------------------------- a layout added in one file (walkthrough, question 12)
+
+def unnormed_traffic(cfg):
+    """BTP's volumes with the norm statistic all-reduced on its own, before each down-projection
+    (tools/ablations.py): the same elements forward, one more a norm backward (the all-reduce of the
+    statistic's gradient: every rank uses the sum), and two more collectives a norm."""
+    fwd, bwd, calls = layouts.btp_traffic(cfg)
+    return layouts.Traffic(fwd, bwd + 2, calls + 4)
+
+
+# the whole of the new layout: a layer class and a record; a fork writes the record in layouts.py
+UNNORMED = dataclasses.replace(layouts.LAYOUTS["btp"], name="btp_unnormed",
+                               block=ablated(online_norm=False), traffic=unnormed_traffic)
+
+
+def _added_layout_worker(rank, world):
+    layouts.LAYOUTS[UNNORMED.name] = UNNORMED
+    tp = parallel.TPGroup(dist.group.WORLD, rank, world, overlap=True)
+    parallel.LEDGER.name(dist.group.WORLD, "tp")
+    torch.manual_seed(0)
+    ref = Llama(small_cfg("cola"))
+    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    logits, loss = ref(idx, idx)
+    loss.backward()
+    model = TPLlama(ref, tp, UNNORMED.name)
+    tp_logits, tp_loss = model(idx, idx)
+    tp_loss.backward()
+    check_tp_step(ref, logits, loss, model, tp_logits, tp_loss, tp, dist.new_group([rank]), slice(None),
+                  UNNORMED.name)
+    counts = {}
+    for n_layer in (1, 2):   # the record's formula is the ledger's count, per layer
+        torch.manual_seed(0)
+        cfg = small_cfg("cola", n_layer=n_layer)
+        parallel.LEDGER.reset()
+        TPLlama(Llama(cfg), tp, UNNORMED.name)(idx, idx)[1].backward()
+        counts[n_layer] = [parallel.LEDGER.total("tp", "fwd"), parallel.LEDGER.total("tp", "bwd"),
+                           parallel.LEDGER.total("tp", unit="calls")]
+    per_layer = [two - one for one, two in zip(counts[1], counts[2])]
+    fwd, bwd, calls = layouts.per_layer_traffic(UNNORMED.name, cfg)
+    assert per_layer == [fwd * idx.numel(), bwd * idx.numel(), calls], per_layer
+
+
+def test_a_layout_added_in_one_file_equals_single_device_and_its_formula():
+    spawn(2, _added_layout_worker)
+
+
+def test_a_layout_added_in_one_file_is_an_option_and_cut_as_its_record_says(monkeypatch):
+    """Registered, the new layout is an option value, refuses the dense model by its record, and
+    Muon prices its factors by the record's cut (BTP's here)."""
+    monkeypatch.setitem(layouts.LAYOUTS, UNNORMED.name, UNNORMED)
+    cfg, tc = parse_args([*TINY, f"--layout={UNNORMED.name}"])[:2]
+    assert tc.layout == UNNORMED.name
+    layouts.check_divisible(cfg, 2, UNNORMED.name)
+    dense = parse_args([*TINY, "--arch=full"])[0]
+    with pytest.raises(ValueError, match="layout=btp_unnormed cuts bottleneck models; arch=full uses megatron"):
+        layouts.check_divisible(dense, 2, UNNORMED.name)
+    for mode in ("gram", "gather", "owner"):
+        assert muon.per_layer_traffic(UNNORMED.name, cfg, 2, mode) == muon.per_layer_traffic("btp", cfg, 2, mode)
