@@ -69,17 +69,17 @@ def choose_threads(threads, device, local_world):
                "--threads=N to choose")
 
 
-def busy_now(seconds=0.25):
+def busy_now(seconds=0.25, stat="/proc/stat", wait=time.sleep):
     """(cores busy with other work, how it was read): the CPU time /proc/stat counts over a quarter
     of a second (Linux), else the 1-minute load average, which still counts a job that ended a
-    minute ago."""
+    minute ago. (`stat` and `wait`: what the test reads between its own two snapshots.)"""
     def sample():
-        with open("/proc/stat") as f:
+        with open(stat) as f:
             values = [int(v) for v in f.readline().split()[1:]]
         idle = values[3] + (values[4] if len(values) > 4 else 0)   # (idle, iowait)
         return sum(values) - idle, sum(values)
     try:
-        (b0, t0), _, (b1, t1) = sample(), time.sleep(seconds), sample()
+        (b0, t0), _, (b1, t1) = sample(), wait(seconds), sample()
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0], "the load average"
     return (b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), "the last 0.25 s of /proc/stat"

@@ -67,6 +67,11 @@ def make(cfg, tc, world):
     n_micro = tc.gradient_accumulation_steps // dp
     if tc.pp > 1 or tc.pp_virtual_stages > 1:
         check_pipeline(cfg, tc, n_micro, dp)
+    elif tc.pp_schedule != "1f1b":   # (the default: a run without a pipeline schedules nothing)
+        raise ValueError(f"--pp_schedule={tc.pp_schedule} schedules a pipeline: it needs --pp > 1")
+    if tc.inject_fault.startswith("nan") and tc.pp > 1:
+        raise ValueError(f"--inject_fault={tc.inject_fault} poisons a loss outside a pipeline's "
+                         "schedule: not with --pp > 1")
     if tc.dp_shard != "none":
         check_dp_shard(tc, dp)
     check_recompute(cfg, tc.recompute)

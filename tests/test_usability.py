@@ -5,11 +5,13 @@ the named tokenizers as Hugging Face files.
 Not in the BOOST paper (arXiv 2512.12131): the running of its training loop on a shared machine.
 """
 import os
+import re
 
 import pytest
 import torch
 
 from plumbing import options, placement, plan as plans
+from conftest import TINY
 
 
 def test_threads_are_chosen_from_the_idle_cores(monkeypatch):
@@ -30,21 +32,21 @@ def test_threads_are_chosen_from_the_idle_cores(monkeypatch):
     assert placement.choose_threads(0, "cpu", 1) == (1, "OMP_NUM_THREADS")
 
 
-def test_busy_cores_are_read_now_not_a_minute_ago():
-    """busy_now sees a busy process started a moment ago (the load average would not yet), and
-    not one that has ended."""
-    import subprocess
-    import sys
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        import time
-        time.sleep(0.5)
-        during = placement.busy_now(0.5)[0]
-        assert during > 0.6
-    finally:
-        busy.kill()
-        busy.wait()
-    assert placement.busy_now(0.5)[0] < during - 0.5   # (its core free again)
+def test_busy_cores_are_read_now_not_a_minute_ago(tmp_path):
+    """busy_now counts the CPU time between two readings of /proc/stat taken now (the load average
+    would still count a job that ended a minute ago): given two snapshots in which one of the
+    machine's cores worked the whole interval and the rest idled, one core is busy; given the
+    machine's own /proc/stat, a number of cores between 0 and all of them, whatever else runs."""
+    import os
+    stat = tmp_path / "stat"
+    cores = os.cpu_count() or 1
+    stat.write_text("cpu  100 0 50 1000 10 0 0 0 0 0\n")
+    # the interval: 100 jiffies of user time (one core), 100 a core of idle on the others
+    later = f"cpu  200 0 50 {1000 + 100 * (cores - 1)} 10 0 0 0 0 0\n"
+    busy, how = placement.busy_now(0.25, stat=stat, wait=lambda s: stat.write_text(later))
+    assert busy == pytest.approx(1.0) and "/proc/stat" in how
+    real, how = placement.busy_now(0.1)
+    assert 0.0 <= real <= cores and "/proc/stat" in how
 
 
 def test_a_run_sets_its_threads_and_says_so(monkeypatch):
@@ -221,3 +223,16 @@ def test_the_named_tokenizers_export_as_hugging_face_files(tmp_path, name):
         assert ids == enc.encode_ordinary(text) and hf.decode(ids) == text, repr(text)
     assert (hf.eos_token, hf.eos_token_id) == ("<|endoftext|>", enc.eot_token)
     assert tokenizer.in_folder(tmp_path) == name
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--pp_schedule=zbv"], "--pp_schedule=zbv schedules a pipeline: it needs --pp > 1"),
+    (["--pp_schedule=dualpipev", "--tp=2"], "--pp_schedule=dualpipev schedules a pipeline"),
+    (["--pp=2", "--gradient_accumulation_steps=2", "--inject_fault=nan:5"], "not with --pp > 1")])
+def test_a_pipeline_option_without_its_pipeline_is_refused_before_work(argv, fragment):
+    """A schedule with no pipeline (it built two stages on one rank and crashed at the first
+    evaluation), and a NaN fault a pipeline would never inject: one line, before any work."""
+    cfg, tc = options.parse_args([*TINY, *argv])
+    world = tc.tp * tc.pp
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        plans.make(cfg, tc, world)
