@@ -226,8 +226,11 @@ def read(folder):
     """(model.Config keyword arguments, single-device state dict, tokenizer or None) of an hf or
     cola folder, every tensor of the model present with its shape and none left over; ValueError
     with one line otherwise."""
+    path = os.path.join(folder, "config.json")
+    if os.path.lexists(path) and not os.path.isfile(path):   # (a FIFO would block the read)
+        raise ValueError(f"{folder}: config.json is not a plain file")
     try:
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(path) as f:
             c = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder} is not a model folder: config.json is unreadable "

@@ -201,7 +201,10 @@ def check_metadata(metadata, files):
         ok = type(index) is MetadataIndex and type(info) is _StorageInfo
         name = info.relative_path if ok else None
         if not ok or not isinstance(name, str) or name not in files or "/" in name:
-            raise pickle.UnpicklingError(f".metadata reads {name!r}, not a file meta.json lists in "
+            # (named by its type unless a short string: formatting a crafted value, a tuple
+            # doubled forty times through the memo, would take hours)
+            shown = repr(name[:80]) if isinstance(name, str) else f"a {type(name).__name__}"
+            raise pickle.UnpicklingError(f".metadata reads {shown}, not a file meta.json lists in "
                                          "its own folder")
         start, length = info.offset, info.length   # (checked below)
         if type(start) is not int or type(length) is not int or min(start, length) < 0 \

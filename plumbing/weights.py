@@ -101,18 +101,33 @@ def fit(folder, held, needed, optional=()):
                          f"for, the first {extra[0]}")
 
 
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # a model's weights are one of these
+
+
+def floats_only(folder, tensors):
+    """tensors, or a one-line ValueError where one is not F32, F16 or BF16 (a float tensor
+    relabelled I32 has the same bytes, and would train on garbage)."""
+    bad = next((n for n, t in tensors.items() if t.dtype not in FLOATS), None)
+    if bad is not None:
+        raise ValueError(f"{folder}: {bad} is {tensors[bad].dtype}; a model's weights are "
+                         "float32, float16 or bfloat16")
+    return tensors
+
+
 def load(folder, needed, optional=()):
     """{name: tensor} of a folder's model.safetensors, or of its pytorch_model.bin read as tensors
     only (weights_only=True: anything else is refused), whose names and shapes fit `needed` (fit():
-    for safetensors on its header alone, before a byte of tensor data is read)."""
+    for safetensors on its header alone, before a byte of tensor data is read), every one a float
+    tensor (floats_only)."""
     path = os.path.join(folder, WEIGHTS)
     if os.path.lexists(path):
         fit(folder, header(path), needed, optional)
         try:
-            return safetensors().load_file(path)
+            tensors = safetensors().load_file(path)
         except (OSError, RuntimeError, ValueError) as e:   # safetensors' own errors are these
             raise ValueError(f"{folder}: {WEIGHTS} is unreadable ({type(e).__name__}: "
                              f"{str(e)[:80]})") from None
+        return floats_only(folder, tensors)
     path = os.path.join(folder, "pytorch_model.bin")
     if not os.path.lexists(path):
         raise ValueError(f"{folder} is not a model folder: it has neither {WEIGHTS} nor "
@@ -130,4 +145,4 @@ def load(folder, needed, optional=()):
             not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise ValueError(f"{folder}: pytorch_model.bin is not a dict of tensors")
     fit(folder, {name: tuple(t.shape) for name, t in tensors.items()}, needed, optional)
-    return tensors
+    return floats_only(folder, tensors)

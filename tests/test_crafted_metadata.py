@@ -79,3 +79,19 @@ def test_a_metadata_that_covers_part_of_a_tensor_is_refused(tmp_path, checkpoint
         rewrite_meta(checkpoint)
         one_line_error(tool("export", checkpoint, tmp_path / "m.pt"),
                        f"chunks of {name} do not cover it exactly")
+
+
+def test_a_crafted_value_is_named_by_its_type_not_formatted(tmp_path, checkpoint):
+    """A storage entry whose relative_path is a tuple doubled forty times through the memo (24 KB;
+    every check of the scan passes: 40 deep, no DUP) is refused naming its type: formatting its
+    repr would take hours, its memory growing."""
+    import torch.distributed.checkpoint as dcp
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    doubled = (None,)
+    for _ in range(40):
+        doubled = (doubled, doubled)
+    index = next(iter(meta.storage_data))
+    meta.storage_data[index].relative_path = doubled
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(meta))
+    rewrite_meta(checkpoint)
+    one_line_error(tool_process("export", checkpoint, tmp_path / "m.pt"), "reads a tuple, not a file")

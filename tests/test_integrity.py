@@ -198,10 +198,12 @@ def damaged_weights(folder, how):
         raw = struct.pack("<Q", 10 ** 15) + raw[8:]
     elif how == "not_json":
         raw = raw[:8] + b"{" * n + raw[8 + n:]
-    elif how in ("past_end", "dtype"):
+    elif how in ("past_end", "dtype", "int"):
         name = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][1])
         if how == "past_end":   # the last tensor moved 4 KiB on, past the end of the file
             head[name]["data_offsets"] = [o + 4096 for o in head[name]["data_offsets"]]
+        elif how == "int":   # relabelled, the same bytes: the header is consistent
+            head[name]["dtype"] = "I32"
         else:
             head[name]["dtype"] = "F16"   # the F32 bytes stay: half the shape's worth would be read
         text = json.dumps(head).encode()
@@ -218,7 +220,8 @@ def damaged_weights(folder, how):
     ("not_json", "its header is not JSON"),
     ("past_end", "bytes overlap another's or lie past the end of the file"),
     ("dtype", "model.norm.weight is F16 (32,), which is 64 bytes, not the 128 it holds"),
-    ("link", "is not a plain file (a model folder's weights are no link)")])
+    ("link", "is not a plain file (a model folder's weights are no link)"),
+    ("int", "is torch.int32; a model's weights are float32, float16 or bfloat16")])
 def test_a_damaged_safetensors_file_is_one_line(tmp_path, how, fragment):
     folder = fake_folder(tmp_path / "hf")
     damaged_weights(folder, how)
@@ -251,6 +254,9 @@ def test_import_command_errors(tmp_path):
     one_line_error(tool("import", folder, tmp_path / "new"), "config.json has no intermediate_size")
     (folder / "config.json").write_text("[1, 2]")
     one_line_error(tool("import", folder, tmp_path / "new"), "config.json is not a JSON object")
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")   # (opening it would block until a writer came)
+    one_line_error(tool("import", folder, tmp_path / "new"), "config.json is not a plain file")
     folder = fake_folder(tmp_path / "good")
     (tmp_path / "a_file").write_text("")
     one_line_error(tool("import", folder, tmp_path / "a_file"), "is a file: import needs a new or empty out_dir")
