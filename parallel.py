@@ -3,9 +3,11 @@
 BOOST (arXiv 2512.12131) sections 2 and 6. The collectives are Megatron's pair f/g (Copy, Reduce)
 plus what the layouts of layouts.py need (Gather, the vocab-parallel cross-entropy), each an
 autograd Function with an explicit group; CopyUp is f fused with the GEMMs after it, so that
-backward overlaps its all-reduce with the weight gradients (--overlap). Every collective records
-its op, group, phase and size in LEDGER; train.py logs it per iteration, tools/bench.py compares it
-with the formulas and plumbing/explain.py prints it in order.
+backward overlaps its all-reduce with the weight gradients (--overlap). Every collective of a
+step's model and optimizer records its op, group, phase and size in LEDGER (not the bookkeeping
+around a step: the gradient norm's all-reduces, the pipeline's and dp's loss means, gather_full);
+train.py logs it per iteration, tools/bench.py compares it with the formulas and
+plumbing/explain.py prints it in order.
 Notation: b batch, s sequence, d n_embd, r bottleneck rank, t tp degree.
 
 The pairs, each a forward and its backward (Megatron's f and g, and the rest):
@@ -38,8 +40,9 @@ class Ledger:
     tools/bench.py read it.
 
     Elements are those of the collective's result (b·s·n for an all-reduce of n features per token,
-    b·s·d for the all-gather of d). Phases: fwd, bwd, and grad (the data-parallel gradient
-    all-reduce)."""
+    b·s·d for the all-gather of d), except a reduce-scatter's (its input: the whole gradient) and
+    an all-to-all's (what this rank sends). Phases: fwd, bwd, grad (the data-parallel gradient
+    all-reduce or FSDP2's reduce-scatter) and optim (Muon's)."""
 
     def __init__(self):
         self.names, self.counts = {}, defaultdict(lambda: [0, 0, 0])

@@ -115,8 +115,9 @@ class Sharded(nn.Module):
         kinds, dp_group = {"sharded": [], "replicated": []}, None
         for name, spec in self.named_specs():
             g = params[name].grad
-            if g is None or (name == "tok_emb" and self.tied and not self.first):
-                # (the tied embedding of the last stage is the first stage's: counted there)
+            if g is None or (name == "tok_emb" and getattr(self, "tied", False)
+                             and not getattr(self, "first", True)):
+                # (a model's tied embedding on its last stage is its first stage's: counted there)
                 continue
             if is_sharded(g):
                 dp_group, g = g.device_mesh.get_group(), g.to_local()

@@ -236,8 +236,8 @@ KERNELS = {
     "grouped_mm": (_grouped_mm, ("BP", "BQ", "BK"), ["P_KEY", "Q_KEY", "K_KEY", "CALL_KEY", "G"],
                    {}),
 }
-# the grouped products local_ops.py launches (the weight gradients, which reduce over every token,
-# are cuBLAS's)
+# the grouped products extensions/kernel_ops.py launches for local_ops.py: the up-projections and
+# their input gradient (the weight gradients, which reduce over every token, are cuBLAS's)
 CALLS = ("up", "dz")
 # the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here
 JIT = {"norm_down_fwd": _norm_down_fwd, "norm_down_dx": _norm_down_dx, "grouped_mm": _grouped_mm,

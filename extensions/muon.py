@@ -145,8 +145,9 @@ def pieces_of(spec, local_shape, t, prefer):
 class MuonAdamW(torch.optim.AdamW):
     """AdamW (torch's, fused where the device has it: it skips its update where `found_inf` is 1)
     for the groups without "muon", and Muon for the groups with it: each such group also holds
-    "pieces" ({param: [Piece]}), "tp" (the TP group, None for one device), "momentum" and
-    "ns_dtype". A Muon parameter's state is its "momentum_buffer" (and "step", as AdamW's)."""
+    "pieces" ({param: [Piece]}, each on the path configure chose), "tp" (the TP group, None for
+    one device), "momentum", "lr_ratio" (Muon's rate over AdamW's) and "ns_dtype". A Muon
+    parameter's state is its "momentum_buffer" (and "step", as AdamW's)."""
 
     def step(self, closure=None):
         everything = self.param_groups
@@ -164,8 +165,9 @@ class MuonAdamW(torch.optim.AdamW):
         """Nesterov momentum, the orthogonalised update of every piece, then decay and the step;
         nothing moves where found_inf is 1 (a non-finite gradient, train.py's flag). Collectives
         come in buckets, whatever the number of matrices: under --dp_shard one all-gather of every
-        update over dp; over TP one all-gather of every gathered piece and 1 + 5 all-reduces for
-        every Gram piece; the Newton-Schulz steps of same-shaped matrices are one bmm chain."""
+        update over dp; over TP one all-gather of every gathered piece, 1 + 5 all-reduces for the
+        Gram pieces, two all-to-alls for the owner pieces (buckets.owner_computes); the
+        Newton-Schulz steps of same-shaped matrices are one bmm chain."""
         found = getattr(self, "found_inf", None)
         keep = 1.0 if found is None else (found == 0).to(torch.float32)   # (0: skip this step)
         work = [p for p in group["params"] if p.grad is not None]

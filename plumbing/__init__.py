@@ -1,18 +1,20 @@
 """plumbing/__init__.py: what a run needs around BOOST's story (arXiv 2512.12131), apart from it.
 
-The files at the repository's root tell the story (model, layouts, sharding, parallel, pipeline,
-kernels, checkpointing, lax, dp_shard, muon) and are the commands a user types (train, prepare,
-interchange); none of the story imports this package. Here:
+The files at the repository's root tell the story (model, lax, layouts, tp_model, sharding,
+parallel, local_ops, triton_kernels, recompute) and are the commands a user types (train, prepare,
+interchange); what the project adds beyond the paper is extensions/. No story file imports this
+package. Here:
 
   options      train.py's options and their checks
   plan         a run's Plan, resolved once before any work (dp, layout, device, dtype, resume)
   placement    the process group and (dp, pp, tp) mesh, and the build step: this rank's model
-  kernel_choice  --kernels=auto: each op and shape timed both ways, agreed across ranks
   rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
   train_state  training-state checkpoints (DCP): save, verify, choose, resume
   integrity    checksums, and reading files from elsewhere as data (never code)
   pickle_scan  a checkpoint's .metadata read as an opcode stream first: no hang, no crash
   formats      the folders other tools read (Hugging Face Llama, CoLA's), written and read back
+  hf_remote/   the model's code in transformers' terms, carried by an exported cola, LaX, svd folder
+  heldout      interchange.py eval: a checkpoint's held-out loss, perplexity and bits per byte
   weights      safetensors files read as data, for imports
   tokenizer    bytes, GPT-2, Hugging Face tokenizer.json and SentencePiece .model
   hf_tokenizer bytes and GPT-2 written as Hugging Face tokenizer.json files (for lm-eval)

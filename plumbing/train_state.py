@@ -45,8 +45,9 @@ def state_kinds(optimizer):
 
 
 def state_views(raw_model, optimizer, mesh):
-    """{key: tensor} of views into this rank's parameters and AdamW moments, under single-device
-    names; DTensors on the (dp, tp) mesh when distributed. DCP saves from them and loads into them.
+    """{key: tensor} of views into this rank's parameters and optimizer state (AdamW's moments,
+    Muon's momentum buffers), under single-device names; DTensors on the (dp, tp) mesh when
+    distributed. DCP saves from them and loads into them.
     Under --dp_shard (dp_shard.py) each is this rank's dp shard of its piece as it is held, a
     `Block` of the full tensor: nothing is gathered."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
