@@ -123,6 +123,7 @@ def train(plan, argv, resume, interrupt):
             named = any(a.startswith("--dataset=") for a in argv)
             data.check_resumed_corpus(resume_from, meta, splits["train"], named, log)
             log(f"resuming from {resume_from} (iteration {iter_num})")
+            train_state.say_schedule_change(meta.get("train_config", {}), tc, iter_num, get_lr, log)
     except ValueError as e:
         fail(e)
     run = Run(plan, place, splits, raw_model, optimizer, log, run_id, resume_from)

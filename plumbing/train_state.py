@@ -19,7 +19,9 @@ A resume continues the run with the model, data and schedule options the checkpo
 recorded, unless the launch gives them again (an older checkpoint taken in place of a damaged one
 must give the same options). Exporting a checkpoint and importing one are interchange.py's commands.
 """
+import dataclasses
 import glob
+import math
 import json
 import os
 import shutil
@@ -376,3 +378,22 @@ def load(path, meta, raw_model, optimizer, mesh):
     for p in raw_model.parameters():
         optimizer.state[p]["step"] = step.detach().clone().to(p.device)
     return None
+
+
+def say_schedule_change(recorded, tc, it, get_lr, log):
+    """One line, logged and returned, where resuming at iteration `it` moves the learning-rate
+    schedule the checkpoint's run followed (its options `recorded`: a larger --max_iters stretches
+    the cosine); else None. get_lr(it, tc): train.py's schedule."""
+    kept = {k: recorded[k] for k in SCHEDULE if k in recorded}
+    old = type(tc)(**{**dataclasses.asdict(tc), **kept})
+    was, now = get_lr(it, old), get_lr(it, tc)
+    if all(getattr(old, k) == getattr(tc, k) for k in SCHEDULE) or math.isclose(was, now):
+        return None
+    ends = old.lr_decay_iters or old.max_iters
+    line = (f"the learning-rate schedule changes on resuming: {was:.2e} at iteration {it} becomes "
+            f"{now:.2e} (to keep the old one, pass --lr_decay_iters={ends})")
+    log(line)
+    return line
+
+
+SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "max_iters")

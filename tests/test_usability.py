@@ -4,6 +4,7 @@ the named tokenizers as Hugging Face files.
 
 Not in the BOOST paper (arXiv 2512.12131): the running of its training loop on a shared machine.
 """
+import dataclasses
 import os
 import re
 
@@ -236,3 +237,20 @@ def test_a_pipeline_option_without_its_pipeline_is_refused_before_work(argv, fra
     world = tc.tp * tc.pp
     with pytest.raises(ValueError, match=re.escape(fragment)):
         plans.make(cfg, tc, world)
+
+
+def test_resuming_with_a_longer_schedule_says_the_rate_jumps():
+    """A finished 2000-step run resumed with --max_iters=3000: the cosine is stretched, so the rate
+    at iteration 2000 jumps from min_lr up; one line says so and how to keep the old schedule."""
+    import train
+    from plumbing import train_state
+    old = options.parse_args(["--max_iters=2000", "--learning_rate=1e-3", "--min_lr=1e-4"])[1]
+    new = options.parse_args(["--max_iters=3000", "--learning_rate=1e-3", "--min_lr=1e-4"])[1]
+    recorded, logged = dataclasses.asdict(old), []
+    said = train_state.say_schedule_change(recorded, new, 2000, train.get_lr, logged.append)
+    assert said.startswith("the learning-rate schedule changes on resuming: 1.00e-04 at iteration 2000")
+    assert "--lr_decay_iters=2000" in said and logged == [said]
+    kept = options.parse_args(["--max_iters=3000", "--lr_decay_iters=2000", "--learning_rate=1e-3",
+                               "--min_lr=1e-4"])[1]
+    assert train_state.say_schedule_change(recorded, kept, 2000, train.get_lr, logged.append) is None
+    assert train_state.say_schedule_change(recorded, old, 1500, train.get_lr, logged.append) is None
