@@ -155,6 +155,9 @@ def write(folder, state, cfg, fmt, tokenizer):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config(cfg, kind, tokenizer), f, indent=1)
         st.save_file(tensors, os.path.join(tmp, weights.WEIGHTS), metadata={"format": "pt"})
+        # (safetensors writes 0600: readable as the folder's other files are, for a shared model)
+        os.chmod(os.path.join(tmp, weights.WEIGHTS),
+                 os.stat(os.path.join(tmp, "config.json")).st_mode & 0o777)
         if kind == "boost":   # the model's code, which auto_map names
             for name in ("configuration_boost.py", "modeling_boost.py"):
                 shutil.copyfile(REMOTE / name, os.path.join(tmp, name))

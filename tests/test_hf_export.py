@@ -92,6 +92,14 @@ def test_transformers_reads_every_architecture_with_the_projects_logits(folders)
                     hf(idx[:, :0])
 
 
+def test_every_exported_file_is_readable_as_the_others(folders):
+    """model.safetensors (which safetensors writes 0600) has config.json's mode: a model folder
+    shared with other users is readable whole."""
+    for _, folder in folders.values():
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+        assert modes["model.safetensors"] == modes["config.json"], modes
+
+
 def test_import_reads_every_folder_back_exactly(folders):
     for name, (model, folder) in folders.items():
         kw, state, tokenizer = formats.read(str(folder))
