@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 import local_ops
+from extensions import kernel_ops  # noqa: F401, E402  (the Triton side registers itself)
 import parallel
 import triton_kernels as tk
 

@@ -23,6 +23,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)   # fp32: the TP sums in another order than one
 def rank_main(tp_rank, world, store, device, out):
     """One rank: the TP model and the reference side by side; its largest differences to `out`."""
     import local_ops
+    from extensions import kernel_ops  # noqa: F401  (the Triton side registers itself)
     from tp_model import TPLlama
     import parallel
     from model import Config, Llama

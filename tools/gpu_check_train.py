@@ -90,7 +90,8 @@ def sample_ms(args):
     import torch
     import local_ops
     from plumbing.tokenizer import sample_text
-    from extensions import kernel_choice, options, placement, plan
+    from extensions import kernel_choice
+    from plumbing import options, placement, plan
     from plumbing.tokenizer import load as load_tokenizer
     cfg, tc = options.parse_args([*(CPU if args.cpu else GPU), "--warmup_iters=2",
                                   "--kernels=auto"])
