@@ -188,11 +188,16 @@ def chosen():
     return dict(_choices)
 
 
+def bucket(n):
+    """n rounded up to a power of two: how a token count keys auto's timings and the kernels'
+    tunings (triton_kernels.py), so that sampling's M = 1, 2, 3, ... (and a ragged last batch) are
+    timed and tuned a few times, not 200."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
 def _rows(t):
-    """The token count of t (..., width) as auto's shape keys name it: rounded up to a power of two
-    (as triton_kernels.bucket keys its tunings), so that sampling's M = 1, 2, 3, ... are timed a
-    few times, not 200."""
-    return f"≤{1 << (max(1, t.numel() // t.shape[-1]) - 1).bit_length()}"
+    """The token count of t (..., width) as auto's shape keys name it (bucket)."""
+    return f"≤{bucket(t.numel() // t.shape[-1])}"
 
 
 def _which(op, shape_key, fn, args):

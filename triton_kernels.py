@@ -22,6 +22,8 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402  (after TRITON_INTERPRET: it decides what triton.jit builds)
 import triton.language as tl  # noqa: E402
 
+from local_ops import bucket  # noqa: E402  (the autotuners' key for a token count)
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (block rows, block columns, block K, num_warps, num_stages) of the GEMM-shaped kernels, per GPU
@@ -268,12 +270,6 @@ def bits(t, residual=None):
     if t.dtype == torch.float32:
         return 32
     return "x32" if residual is not None and residual.dtype == torch.float32 else 16
-
-
-def bucket(n):
-    """n rounded up to a power of two: the autotuners' key for a token count, so that sampling's
-    M = 1, 2, 3, ... (and a ragged last batch) reuse a few tunings instead of tuning each M."""
-    return triton.next_power_of_2(max(1, n))
 
 
 @functools.lru_cache(maxsize=64)
