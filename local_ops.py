@@ -1,6 +1,6 @@
 """local_ops.py: the local compute ops of bottleneck-aware TP: PyTorch references, one dispatch.
 
-BOOST (arXiv 2512.12131) sections 3-4. layouts.py and parallel.py call `norm_down`, `grouped_up`
+BOOST (arXiv 2512.12131) sections 3-4. layouts.py and parallel.py call `norm_down`, `grouped_expand`
 (and its backward halves for parallel.CopyUp) and `rms_norm`; `select()` (train.py's
 --kernels=auto|triton|torch) decides whether they run the PyTorch reference (the specification, and
 the CPU path) or the Triton kernels (triton_kernels.py); under auto, forward and backward are
@@ -13,9 +13,9 @@ paths.
   accumulated inside the GEMM's K loop). After the all-reduce of [H | S]:
   RMSNorm(x_full)·A_fullᵀ = H / sqrt(S/d + ε). Backward: d(xγ) = dH·A, dx = d(xγ)⊙γ + 2·x·dS,
   dγ = Σ_m d(xγ)⊙x, dA = dHᵀ·(x⊙γ).
-- grouped_up: the up-projections y_g = z_g·B_gᵀ of G latents of equal rank r in one launch; each
-  group has its own output width n_g (with GQA q is wider than k and v). Backward as grouped GEMMs:
-  dz_g = dy_g·B_g, dB_g = dy_gᵀ·z_g.
+- grouped_expand: the B side, the G latents of equal rank r expanded back (the paper's
+  up-projections, y_g = z_g·B_gᵀ) in one launch; each group has its own output width n_g (with GQA
+  q is wider than k and v). Backward as grouped GEMMs: dz_g = dy_g·B_g, dB_g = dy_gᵀ·z_g.
 - rms_norm: plain RMSNorm over the last dim (replicated-stream layouts, the final norm).
 
 The file reads in that order: the PyTorch references (the math, and the specification the kernels
@@ -37,7 +37,7 @@ BACKENDS = ("auto", "triton", "torch")
 IMPLS = ("triton", "torch")
 _backend = "torch"
 _choices = {}   # (op, shape key) -> (forward, backward) of IMPLS, decided once per run under auto
-# the Triton side (norm_down_op, grouped_up_op, grouped_up_dz_op, rms_norm_op): the module
+# the Triton side (norm_down_op, grouped_expand_op, grouped_expand_dz_op, rms_norm_op): the module
 # extensions/kernel_ops.py, which sets this when it is imported and Triton is installed
 triton_ops = None
 # under auto, what decides an (op, shape) met the first time: measure(op, shape key, fn, args) ->
@@ -47,19 +47,63 @@ measure = None
 # ------------------------------------------------------------------------- PyTorch references
 
 def norm_down_ref(x, gamma, A):
-    """x (..., K), gamma (K,), A (N, K) -> H (..., N), S (..., 1) float32."""
-    return (x * gamma) @ A.t(), x.float().pow(2).sum(-1, keepdim=True)
+    """x (..., K), gamma (K,), A (N, K) -> H (..., N) in A's dtype, S (..., 1) float32."""
+    return (x * gamma).to(A.dtype) @ A.t(), x.float().pow(2).sum(-1, keepdim=True)
 
 
-def grouped_up_ref(z, Bs):
-    """z (..., G·r) the concatenated latents, Bs [(n_g, r)] -> [z_g·B_gᵀ (..., n_g)]: one GEMM per
-    group on a strided view of z, so nothing is copied (a stacked bmm copies z and every B_g
-    twice)."""
-    return [zg @ B.t() for zg, B in zip(z.split(Bs[0].shape[1], -1), Bs)]
+def grouped_expand_ref(z, Bs):
+    """z (..., G·r) the concatenated latents, Bs [(n_g, r)] -> [z_g·B_gᵀ (..., n_g)] in z's dtype:
+    one GEMM per group on a strided view of z, so nothing is copied (a stacked bmm copies z and
+    every B_g twice)."""
+    return [zg @ B.to(z.dtype).t() for zg, B in zip(z.split(Bs[0].shape[1], -1), Bs)]
 
 
 def rms_norm_ref(x, gamma, eps):
     return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+# The backward references: autograd's gradients of the three above, written out because the
+# kernels' side (extensions/kernel_ops.py) runs a backward without its forward's graph (under
+# --kernels=auto a Triton forward may meet a PyTorch backward), and parallel.CopyUp splits
+# grouped_expand's backward in two. tests/test_kernels.py checks each against autograd.
+
+def norm_down_ref_backward(dH, dS, x, gamma, A):
+    """dH (M, N), dS (M) -> dx (M, K) in x's dtype, dγ (K), dA (N, K): d(x⊙γ) = dH·A,
+    dx = d(x⊙γ)⊙γ + 2·x·dS, dγ = Σ_m d(x⊙γ)⊙x, dA = dHᵀ·(x⊙γ)."""
+    dxg = (dH @ A.to(dH.dtype)).float()                                # d(x⊙γ) (M, K)
+    dx = dxg * gamma + 2 * x.float() * dS.float()[:, None]             # (M, K)
+    return dx.to(x.dtype), (dxg * x).sum(0).to(gamma.dtype), norm_down_dA(dH, x, gamma, A)
+
+
+def norm_down_dA(dH, x, gamma, A):
+    """dA = dHᵀ·(x⊙γ) (N, K) in A's dtype: a reduction over every token, cuBLAS on both paths (its
+    split-K fills a GPU where a kernel's 32-88 output tiles do not)."""
+    return (dH.t() @ (x * gamma).to(dH.dtype)).to(A.dtype)
+
+
+def grouped_expand_dz_ref(dys, Bs):
+    """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r) in dy's dtype, dz_g = dy_g·B_g."""
+    return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
+
+
+def grouped_expand_dB(dys, z, Bs):
+    """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype: cuBLAS on both
+    paths (a reduction over every token, as norm_down_dA)."""
+    return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype))
+            .to(B.dtype) for dy, zg, B in zip(dys, z.split(Bs[0].shape[1], -1), Bs)]
+
+
+def rms_stat(x, eps):
+    """1/rms of each row of x (M, N) -> (M,) fp32: what the forward keeps for the backward."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
+def rms_norm_ref_backward(dy, x, gamma, rstd):
+    """dy, x (M, N), rstd (M) -> dx in x's dtype, dγ: with x̂ = x·rstd,
+    dx = rstd·(dy⊙γ − x̂·mean(dy⊙γ⊙x̂)), dγ = Σ_rows dy⊙x̂."""
+    xhat, wdy = x.float() * rstd[:, None], dy.float() * gamma.float()  # (M, N)
+    dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
+    return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(gamma.dtype)
 
 
 # ------------------------------------------------------------------------- dispatch
@@ -85,37 +129,31 @@ def norm_down(x, gamma, A):
     return H.view(*x.shape[:-1], -1), S.view(*x.shape[:-1], 1)
 
 
-def _up_key(z, Bs):
+def _expand_key(z, Bs):
     return f"{_rows(z)}x{len(Bs)}x{Bs[0].shape[1]} -> {'+'.join(str(B.shape[0]) for B in Bs)}"
 
 
-def grouped_up(z, Bs):
-    ways = _which("grouped_up", lambda: _up_key(z, Bs), lambda z, *Bs: grouped_up(z, list(Bs)),
-                  (z, *Bs))
+def grouped_expand(z, Bs):
+    ways = _which("grouped_expand", lambda: _expand_key(z, Bs),
+                  lambda z, *Bs: grouped_expand(z, list(Bs)), (z, *Bs))
     if ways == ("torch", "torch"):
-        return grouped_up_ref(z, Bs)
-    Y = triton_ops.grouped_up_op(_autocast(z, z).reshape(-1, z.shape[-1]), list(Bs), *ways)
+        return grouped_expand_ref(z, Bs)
+    Y = triton_ops.grouped_expand_op(_autocast(z, z).reshape(-1, z.shape[-1]), list(Bs), *ways)
     return [y.view(*z.shape[:-1], -1) for y in Y.split([B.shape[0] for B in Bs], -1)]
 
 
-# grouped_up's backward in two halves, for parallel.CopyUp, which all-reduces dz while dB computes
-def grouped_up_dz(dys, Bs):
+# grouped_expand's backward in two halves, for parallel.CopyUp, which all-reduces dz while dB
+# computes: dz dispatched here, dB the reference's grouped_expand_dB (cuBLAS on both paths)
+def grouped_expand_dz(dys, Bs):
     """[dy_g (..., n_g)], [B_g (n_g, r)] -> dz (..., G·r), dz_g = dy_g·B_g: under auto, the
-    implementation grouped_up's backward took for these shapes (the reference for a shape auto
+    implementation grouped_expand's backward took for these shapes (the reference for a shape auto
     never measured: nothing unmeasured runs a kernel)."""
     way = _backend if _backend != "auto" else \
-        _choices.get(("grouped_up", _up_key(dys[0], Bs)), ("torch", "torch"))[1]
+        _choices.get(("grouped_expand", _expand_key(dys[0], Bs)), ("torch", "torch"))[1]
     if way == "torch":
-        return torch.cat([dy @ B.to(dy.dtype) for dy, B in zip(dys, Bs)], -1)
+        return grouped_expand_dz_ref(dys, Bs)
     dY = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], -1)   # (M, Σn_g), built once
-    return triton_ops.grouped_up_dz_op(dY, list(Bs)).view(*dys[0].shape[:-1], -1)
-
-
-def grouped_up_dB(dys, z, Bs):
-    """-> [dB_g (n_g, r)], dB_g = dy_gᵀ·z_g over all tokens, in each B's dtype: cuBLAS on either
-    path (a reduction over every token: its split-K fills a GPU where 32-88 output tiles do not)."""
-    return [(dy.reshape(-1, dy.shape[-1]).t() @ zg.reshape(-1, zg.shape[-1]).to(dy.dtype))
-            .to(B.dtype) for dy, zg, B in zip(dys, z.split(Bs[0].shape[1], -1), Bs)]
+    return triton_ops.grouped_expand_dz_op(dY, list(Bs)).view(*dys[0].shape[:-1], -1)
 
 
 def rms_norm(x, gamma, eps):

@@ -179,28 +179,28 @@ class CopyUp(torch.autograd.Function):
     weight-gradient GEMM). Layouts use it with --overlap=true instead of `Copy` + matmuls.
 
     x (..., k) and Ws [(n_g, r)]: sliced=True, y_g = x_g·W_gᵀ with x_g the g-th r-slice of x
-    (BTP's concatenated latents, local_ops.grouped_up); sliced=False, y_g = x·W_gᵀ (every W reads
-    all of x). Backward: dx first, its all-reduce started asynchronously, then dW_g = dy_gᵀ·x_g
-    while it flies, then wait. Same values and the same one collective as Copy."""
+    (BTP's concatenated latents, local_ops.grouped_expand); sliced=False, y_g = x·W_gᵀ (every W
+    reads all of x). Backward: dx first, its all-reduce started asynchronously, then
+    dW_g = dy_gᵀ·x_g while it flies, then wait. Same values and the same one collective as Copy."""
 
     @staticmethod
     def forward(ctx, x, group, sliced, *Ws):
         ctx.group, ctx.sliced = group, sliced
         ctx.save_for_backward(x, *Ws)
         if sliced:
-            return tuple(local_ops.grouped_up(x, list(Ws)))
+            return tuple(local_ops.grouped_expand(x, list(Ws)))
         return tuple(x @ W.t() for W in Ws)                                    # [(..., n_g)]
 
     @staticmethod
     def backward(ctx, *dys):
         x, *Ws = ctx.saved_tensors
         if ctx.sliced:
-            dx = local_ops.grouped_up_dz(list(dys), Ws)                          # (..., G·r)
+            dx = local_ops.grouped_expand_dz(list(dys), Ws)                    # (..., G·r)
         else:
             dx = sum(dy @ W.to(dy.dtype) for dy, W in zip(dys, Ws))           # (..., k)
         dx, work = all_reduce(dx, ctx.group, "bwd", async_op=True)
         if ctx.sliced:
-            dWs = local_ops.grouped_up_dB(list(dys), x, Ws)
+            dWs = local_ops.grouped_expand_dB(list(dys), x, Ws)
         else:
             x2 = x.reshape(-1, x.shape[-1])                                    # (b·s, k)
             dWs = [dy.reshape(-1, dy.shape[-1]).t() @ x2.to(dy.dtype) for dy in dys]  # [(n_g, k)]
@@ -306,9 +306,10 @@ class TPGroup:
 
 def column_parallel(x, Ws, tp, sliced=False):
     """Copy (f), then the column-parallel GEMMs that read x: [x·W_gᵀ], or with sliced=True
-    [x_g·W_gᵀ] on the g-th slice of x (BTP's grouped latents, local_ops.grouped_up). With tp.overlap
-    the same values through CopyUp, whose backward overlaps the all-reduce with the dW GEMMs."""
+    [x_g·W_gᵀ] on the g-th slice of x (BTP's grouped latents, local_ops.grouped_expand). With
+    tp.overlap the same values through CopyUp, whose backward overlaps the all-reduce with the dW
+    GEMMs."""
     if tp.overlap:
         return list(CopyUp.apply(x, tp.group, sliced, *Ws))
     x = Copy.apply(x, tp.group)
-    return local_ops.grouped_up(x, Ws) if sliced else [x @ W.t() for W in Ws]
+    return local_ops.grouped_expand(x, Ws) if sliced else [x @ W.t() for W in Ws]

@@ -240,7 +240,7 @@ KERNELS = {
 }
 # the grouped products extensions/kernel_ops.py launches for local_ops.py: the up-projections and
 # their input gradient (the weight gradients, which reduce over every token, are cuBLAS's)
-CALLS = ("up", "dz")
+CALLS = ("expand", "dz")
 # the JIT functions by name, for tools/gpu_compile.py to compile for GPUs that are not here
 JIT = {"norm_down_fwd": _norm_down_fwd, "norm_down_dx": _norm_down_dx, "grouped_mm": _grouped_mm,
        "rms_fwd": rms_fwd, "rms_bwd": rms_bwd}
@@ -306,7 +306,7 @@ MAX_GROUPS = 3   # the Bs one grouped launch reads where they lie (q, k, v)
 
 def grouped_mm(A, Bs, C, groups, call):
     """Launch _grouped_mm over the Groups of the Operands A, C and Bs (one Operand per group, each
-    its own tensor, all with the same strides). `call` names the caller's stride pattern ("up",
+    its own tensor, all with the same strides). `call` names the caller's stride pattern ("expand",
     "dz"): the autotuner keeps tiles per call."""
     assert 1 <= len(Bs) == len(groups) <= MAX_GROUPS, (len(Bs), len(groups))
     groups = tuple(tuple(g) for g in groups)

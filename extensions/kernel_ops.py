@@ -4,8 +4,10 @@ Beyond the BOOST paper (arXiv 2512.12131, sections 3-4 fuse these ops; registeri
 torch.compile is this project's): what each op computes is local_ops.py's docstring, which
 chooses the implementation and calls these, once this file has registered itself there
 (`local_ops.triton_ops`, at the end of this file). Each direction of an op is one custom op
-(torch.library.custom_op) whose body runs the Triton kernel (triton_kernels.py) or the PyTorch
-reference, as its `fwd` / `bwd` argument says. Why ops and not autograd Functions: dynamo cannot
+(torch.library.custom_op) whose body launches the Triton kernel (triton_kernels.py) or calls
+local_ops.py's reference (its forward, or its written-out backward: under --kernels=auto a Triton
+forward may meet a PyTorch backward), as its `fwd` / `bwd` argument says; no math is restated
+here. Why ops and not autograd Functions: dynamo cannot
 trace a Triton launch or its cached autotuner, so an autograd Function around one broke
 torch.compile's graph at every call (each layer fell back to eager between its pieces); an op is
 one node of the graph, its backward registered beside it (register_autograd), and its shapes
@@ -31,7 +33,8 @@ def norm_down_op(x: Tensor, gamma: Tensor, A: Tensor, fwd: str, bwd: str) -> tup
     """x (M, K), γ (K), A (N, K) -> H (M, N) in A's dtype, S (M) fp32."""
     x, gamma, A = x.contiguous(), gamma.contiguous(), A.contiguous()
     if fwd == "torch":
-        return (x * gamma).to(A.dtype) @ A.t(), x.float().pow(2).sum(-1)
+        H, S = local_ops.norm_down_ref(x, gamma, A)
+        return H, S.squeeze(-1)
     (M, K), N = x.shape, A.shape[0]
     H = torch.empty(M, N, dtype=A.dtype, device=x.device)   # (the product's dtype: A's)
     S = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -54,12 +57,9 @@ def norm_down_backward(dH: Tensor, dS: Tensor, x: Tensor, gamma: Tensor, A: Tens
     x, gamma, A = x.contiguous(), gamma.contiguous(), A.contiguous()
     (M, K), N = x.shape, A.shape[0]
     dH, dS = dH.contiguous(), dS.float().contiguous()
-    # dA = dHᵀ·(x⊙γ) reduces over every token: cuBLAS's split-K, not a 32-88-tile grid
-    dA = (dH.t() @ (x * gamma).to(dH.dtype)).to(A.dtype)               # (N, K)
     if bwd == "torch":
-        dxg = (dH @ A).float()                                         # d(x⊙γ) (M, K)
-        dx = dxg * gamma + 2 * x.float() * dS[:, None]
-        return dx.to(x.dtype), (dxg * x).sum(0).to(gamma.dtype), dA
+        return local_ops.norm_down_ref_backward(dH, dS, x, gamma, A)
+    dA = local_ops.norm_down_dA(dH, x, gamma, A)   # (N, K): cuBLAS on both paths
     up, ieee = tk.dot_flags(A)
     dx = torch.empty_like(x)
     dg = torch.zeros(triton.cdiv(M, tk.MIN_BM), K, dtype=torch.float32, device=x.device)  # a row
@@ -90,12 +90,12 @@ def _norm_down_grad(ctx, dH, dS):
 norm_down_op.register_autograd(_norm_down_grad, setup_context=_norm_down_save)
 
 
-@torch.library.custom_op("boost::grouped_up", mutates_args=())
-def grouped_up_op(Z: Tensor, Bs: list[Tensor], fwd: str, bwd: str) -> Tensor:
+@torch.library.custom_op("boost::grouped_expand", mutates_args=())
+def grouped_expand_op(Z: Tensor, Bs: list[Tensor], fwd: str, bwd: str) -> Tensor:
     """Z (M, G·r), Bs [(n_g, r)] -> Y (M, Σn_g) in Z's dtype, y_g = z_g·B_gᵀ."""
     Z, r = Z.contiguous(), Bs[0].shape[1]
     if fwd == "torch":
-        return torch.cat([zg @ B.to(Z.dtype).t() for zg, B in zip(Z.split(r, -1), Bs)], -1)
+        return torch.cat(local_ops.grouped_expand_ref(Z, Bs), -1)
     widths = [B.shape[0] for B in Bs]
     offsets = [sum(widths[:g]) for g in range(len(widths))]
     Y = torch.empty(Z.shape[0], sum(widths), dtype=Z.dtype, device=Z.device)
@@ -104,49 +104,47 @@ def grouped_up_op(Z: Tensor, Bs: list[Tensor], fwd: str, bwd: str) -> Tensor:
     # each B_g (n_g, r) read where it lies, transposed by its strides, cast to Z's dtype in the
     # kernel's registers: no stacked or cast copy of the weights a call
     tk.grouped_mm(tk.Operand(Z, Z.shape[1], 1), [tk.Operand(B.contiguous(), 1, r) for B in Bs],
-                  tk.Operand(Y, Y.stride(0), 1), groups, call="up")
+                  tk.Operand(Y, Y.stride(0), 1), groups, call="expand")
     return Y
 
 
-@grouped_up_op.register_fake
+@grouped_expand_op.register_fake
 def _(Z, Bs, fwd, bwd):
     return Z.new_empty(Z.shape[0], sum(B.shape[0] for B in Bs))
 
 
-@torch.library.custom_op("boost::grouped_up_backward", mutates_args=())
-def grouped_up_backward(dY: Tensor, Z: Tensor, Bs: list[Tensor], bwd: str) -> list[Tensor]:
+@torch.library.custom_op("boost::grouped_expand_backward", mutates_args=())
+def grouped_expand_backward(dY: Tensor, Z: Tensor, Bs: list[Tensor], bwd: str) -> list[Tensor]:
     """-> [dZ (M, G·r), dB_1, ..., dB_G]: dz_g = dy_g·B_g, and dB_g = dy_gᵀ·z_g on cuBLAS (see
-    grouped_up_dB)."""
-    dY, Z, r = dY.contiguous(), Z.contiguous(), Bs[0].shape[1]
+    grouped_expand_dB)."""
+    dY, Z = dY.contiguous(), Z.contiguous()
     dys = dY.split([B.shape[0] for B in Bs], -1)
-    if bwd == "torch":
-        dZ = torch.cat([dy @ B.to(dY.dtype) for dy, B in zip(dys, Bs)], -1)
-    else:
-        dZ = grouped_up_dz_op(dY, Bs)
-    return [dZ, *[(dy.t() @ zg).to(B.dtype) for dy, zg, B in zip(dys, Z.split(r, -1), Bs)]]
+    dZ = (local_ops.grouped_expand_dz_ref(dys, Bs) if bwd == "torch" else
+          grouped_expand_dz_op(dY, Bs))
+    return [dZ, *local_ops.grouped_expand_dB(dys, Z, Bs)]
 
 
-@grouped_up_backward.register_fake
+@grouped_expand_backward.register_fake
 def _(dY, Z, Bs, bwd):
     return [torch.empty_like(Z), *[torch.empty_like(B) for B in Bs]]
 
 
-def _grouped_up_save(ctx, inputs, output):
+def _grouped_expand_save(ctx, inputs, output):
     Z, Bs, _, ctx.bwd = inputs
     ctx.save_for_backward(Z, *Bs)
 
 
-def _grouped_up_grad(ctx, dY):
+def _grouped_expand_grad(ctx, dY):
     Z, *Bs = ctx.saved_tensors
-    dZ, *dBs = grouped_up_backward(dY, Z, Bs, ctx.bwd)
+    dZ, *dBs = grouped_expand_backward(dY, Z, Bs, ctx.bwd)
     return dZ, dBs, None, None
 
 
-grouped_up_op.register_autograd(_grouped_up_grad, setup_context=_grouped_up_save)
+grouped_expand_op.register_autograd(_grouped_expand_grad, setup_context=_grouped_expand_save)
 
 
-@torch.library.custom_op("boost::grouped_up_dz", mutates_args=())
-def grouped_up_dz_op(dY: Tensor, Bs: list[Tensor]) -> Tensor:
+@torch.library.custom_op("boost::grouped_expand_dz", mutates_args=())
+def grouped_expand_dz_op(dY: Tensor, Bs: list[Tensor]) -> Tensor:
     """Triton's dY (M, Σn_g), Bs [(n_g, r)] -> dZ (M, G·r) in dY's dtype: dz_g = dy_g·B_g."""
     dY, r = dY.contiguous(), Bs[0].shape[1]
     widths = [B.shape[0] for B in Bs]
@@ -159,7 +157,7 @@ def grouped_up_dz_op(dY: Tensor, Bs: list[Tensor]) -> Tensor:
     return dZ
 
 
-@grouped_up_dz_op.register_fake
+@grouped_expand_dz_op.register_fake
 def _(dY, Bs):
     return dY.new_empty(dY.shape[0], Bs[0].shape[1] * len(Bs))
 
@@ -171,8 +169,7 @@ def rms_norm_op(x: Tensor, gamma: Tensor, eps: float, fwd: str,
     x = x.contiguous()
     M, N = x.shape
     if fwd == "torch":
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1) + eps)           # (M,)
-        return (x.float() * rstd[:, None] * gamma.float()).to(x.dtype), rstd
+        return local_ops.rms_norm_ref(x, gamma, eps).to(x.dtype), local_ops.rms_stat(x, eps)
     y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(N)
@@ -193,9 +190,7 @@ def rms_norm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor,
     dy, x = dy.contiguous(), x.contiguous()
     M, N = x.shape
     if bwd == "torch":
-        xhat, wdy = x.float() * rstd[:, None], dy.float() * gamma.float()
-        dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
-        return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(gamma.dtype)
+        return local_ops.rms_norm_ref_backward(dy, x, gamma, rstd)
     dx = torch.empty_like(x)
     grid = (triton.cdiv(M, tk.rows()),)
     dg = torch.empty(grid[0], N, dtype=torch.float32, device=x.device)

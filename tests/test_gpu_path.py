@@ -109,7 +109,7 @@ def test_compile_with_auto_times_every_shape_in_an_eager_step_first(tmp_path, da
         local_ops._choices.clear()
     assert at_compile["chosen"] == timed   # training met no shape the warm-up had not timed
     ops = {op for op, key in at_compile["chosen"]}
-    assert ops == {"norm_down", "grouped_up", "rms_norm"}, at_compile
+    assert ops == {"norm_down", "grouped_expand", "rms_norm"}, at_compile
 
 
 # ---------------------------------------------------------------- issue 34's CPU-visible fixes

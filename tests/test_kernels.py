@@ -48,15 +48,15 @@ def test_norm_down_kernel(dtype, M, K, N):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("widths, r", [((40, 20, 20), 12), ((33, 33), 18), ((70,), 5)])
-def test_grouped_up_kernel(dtype, widths, r):
+def test_grouped_expand_kernel(dtype, widths, r):
     g = torch.Generator().manual_seed(sum(widths) + r)
     M = 45
     inputs = [torch.randn(M, len(widths) * r, generator=g).to(dtype)] + \
              [(torch.randn(n, r, generator=g) / r ** 0.5).to(dtype) for n in widths]
     upstream = [torch.randn(M, n, generator=g).to(dtype) for n in widths]
-    fn = lambda z, *Bs: local_ops.grouped_up(z, list(Bs))
+    fn = lambda z, *Bs: local_ops.grouped_expand(z, list(Bs))
     (out, grads), _ = triton_and_ref(fn, inputs, upstream)
-    ref_out, ref_grads = ref_in_fp32(lambda z, *Bs: local_ops.grouped_up_ref(z, list(Bs)), inputs, upstream)
+    ref_out, ref_grads = ref_in_fp32(lambda z, *Bs: local_ops.grouped_expand_ref(z, list(Bs)), inputs, upstream)
     for a, b in zip(out + grads, ref_out + ref_grads):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
 
@@ -71,6 +71,55 @@ def test_rms_norm_kernel(dtype):
     ref_out, ref_grads = ref_in_fp32(lambda x, w: [local_ops.rms_norm_ref(x, w, 1e-5)], inputs, upstream)
     for a, b in zip(out + grads, ref_out + ref_grads):
         torch.testing.assert_close(a, b, **KERNEL_TOL[dtype])
+
+
+def test_backward_references_are_autograds_gradients():
+    """local_ops' written-out backward references (what a backward without its forward's graph
+    runs: a PyTorch backward after a Triton forward under auto, CopyUp's halves) equal autograd's
+    gradients of the forward references."""
+    g = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=g)
+    x, gamma, A = rand(13, 24).requires_grad_(), rand(24).requires_grad_(), rand(10, 24)
+    A.requires_grad_()
+    dH, dS = rand(13, 10), rand(13)
+    H, S = local_ops.norm_down_ref(x, gamma, A)
+    want = torch.autograd.grad([H, S.squeeze(-1)], [x, gamma, A], [dH, dS])
+    got = local_ops.norm_down_ref_backward(dH, dS, x.detach(), gamma.detach(), A.detach())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    z, Bs = rand(13, 3 * 4).requires_grad_(), [rand(n, 4).requires_grad_() for n in (8, 5, 5)]
+    dys = [rand(13, n) for n in (8, 5, 5)]
+    want = torch.autograd.grad(local_ops.grouped_expand_ref(z, Bs), [z, *Bs], dys)
+    got = [local_ops.grouped_expand_dz_ref(dys, Bs), *local_ops.grouped_expand_dB(dys, z, Bs)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    y = local_ops.rms_norm_ref(x, gamma, 1e-5)
+    dy = rand(13, 24)
+    want = torch.autograd.grad(y, [x, gamma], dy)
+    got = local_ops.rms_norm_ref_backward(dy, x.detach(), gamma.detach(),
+                                          local_ops.rms_stat(x.detach(), 1e-5))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_every_custom_op_passes_opcheck_in_training_dtype_mixes():
+    """torch.library.opcheck (schema, fake tensors, autograd registration, dynamo) for each op,
+    every forward/backward pairing auto may choose, and training's dtype mixes: fp32 throughout,
+    an fp32 stream with bf16 weights (autocast), bf16 throughout."""
+    from extensions import kernel_ops as ops
+    g = torch.Generator().manual_seed(0)
+    rand = lambda dtype, *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+    checked = 0
+    for xd, wd in [(torch.float32,) * 2, (torch.float32, torch.bfloat16), (torch.bfloat16,) * 2]:
+        for ways in [(f, b) for f in local_ops.IMPLS for b in local_ops.IMPLS]:
+            x, gamma = rand(xd, 20, 16), (1 + rand(xd, 16)).detach().requires_grad_()
+            torch.library.opcheck(ops.norm_down_op, (x, gamma, rand(wd, 12, 16), *ways))
+            torch.library.opcheck(ops.grouped_expand_op, (rand(wd, 20, 8), [rand(wd, 6, 4),
+                                                                        rand(wd, 3, 4)], *ways))
+            torch.library.opcheck(ops.rms_norm_op, (x, gamma, 1e-5, *ways))
+            checked += 3
+    assert checked == 36
 
 
 @pytest.mark.slow
@@ -100,16 +149,16 @@ def test_auto_times_each_op_once_and_keeps_the_faster(capsys):
     with local_ops.using("auto"):
         for _ in range(2):
             H, S = local_ops.norm_down(x, gamma, A)
-            ys = local_ops.grouped_up(z, Bs)
+            ys = local_ops.grouped_expand(z, Bs)
             y = local_ops.rms_norm(x, gamma, 1e-5)
     lines = capsys.readouterr().out.splitlines()
     way = r"(forward|backward) triton [\d.]+ ms vs torch [\d.]+ ms: (triton|torch)"
     assert len(lines) == 3 and all(re.fullmatch(rf"kernels: \w+ \(.+\) {way}; {way}", l) for l in lines), lines
-    assert "norm_down (≤16x32 -> 24+1)" in lines[0] and "grouped_up (≤16x2x8 -> 12+6)" in lines[1]
-    assert set(local_ops.chosen()) == {("norm_down", "≤16x32 -> 24+1"), ("grouped_up", "≤16x2x8 -> 12+6"),
+    assert "norm_down (≤16x32 -> 24+1)" in lines[0] and "grouped_expand (≤16x2x8 -> 12+6)" in lines[1]
+    assert set(local_ops.chosen()) == {("norm_down", "≤16x32 -> 24+1"), ("grouped_expand", "≤16x2x8 -> 12+6"),
                                      ("rms_norm", "≤16x32")}
     torch.testing.assert_close(H, local_ops.norm_down_ref(x, gamma, A)[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ys, local_ops.grouped_up_ref(z, Bs), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ys, local_ops.grouped_expand_ref(z, Bs), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y, local_ops.rms_norm_ref(x, gamma, 1e-5), rtol=1e-4, atol=1e-4)
     kernel_choice.select("torch", "cpu")
 
@@ -121,17 +170,17 @@ def test_auto_chooses_each_direction_apart(monkeypatch, ways):
     reference's outputs and input gradients (fp32, and bf16 inputs against fp32)."""
     fast = {ways[0]: (1.0, 9.0), ways[1]: (9.0, 1.0)}   # (forward ms, backward ms)
     monkeypatch.setattr(kernel_choice, "_time", lambda fn, args, name: fast[name])
-    cases = [("norm_down", [(37, 50), (50,), (29, 50)]), ("grouped_up", [(37, 24), (12, 8), (20, 8), (7, 8)]),
+    cases = [("norm_down", [(37, 50), (50,), (29, 50)]), ("grouped_expand", [(37, 24), (12, 8), (20, 8), (7, 8)]),
              ("rms_norm", [(37, 50), (50,)])]
     for dtype in (torch.float32, torch.bfloat16):
         for op, shapes in cases:
             g = torch.Generator().manual_seed(1)
             inputs = [torch.randn(s, generator=g).to(dtype) for s in shapes]
             up = [torch.randn(s, generator=g) for s in
-                  {"norm_down": [(37, 29), (37, 1)], "grouped_up": [(37, 12), (37, 20), (37, 7)],
+                  {"norm_down": [(37, 29), (37, 1)], "grouped_expand": [(37, 12), (37, 20), (37, 7)],
                    "rms_norm": [(37, 50)]}[op]]
             fn = {"norm_down": lambda x, gm, A: list(local_ops.norm_down(x, gm, A)),
-                  "grouped_up": lambda z, *Bs: local_ops.grouped_up(z, list(Bs)),
+                  "grouped_expand": lambda z, *Bs: local_ops.grouped_expand(z, list(Bs)),
                   "rms_norm": lambda x, gm: [local_ops.rms_norm(x, gm, 1e-5)]}[op]
             kernel_choice.select("torch", "cpu")
             mixed = outputs_and_grads(fn, inputs, up, "auto")
@@ -149,7 +198,7 @@ def test_bench_gpu_shapes_and_plumbing_on_cpu(tmp_path):
     from model import Config
     cases = {label: (op, shapes, flops) for label, op, shapes, flops in bench_gpu.kernel_cases(bench_gpu.shapes()["1b"])}
     assert cases["norm_down q,k,v"] == ("norm_down", [(16384, 512), (512,), (1536, 512)], 2 * 16384 * 1536 * 512)
-    assert cases["grouped_up gate,up"][1] == [(16384, 1024), (1368, 512), (1368, 512)]
+    assert cases["grouped_expand gate,up"][1] == [(16384, 1024), (1368, 512), (1368, 512)]
     assert bench_gpu.kernel_cases(bench_gpu.shapes()["7b"])[0][2] == [(16384, 1024), (1024,), (3072, 1024)]
     r = bench_gpu.measure_op("norm_down", [(64, 16), (16,), (24, 16)], 2 * 64 * 24 * 16, "torch", "cpu", torch.float32, 2)
     assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["tflops_fwd"] > 0 and r["vs_matmul"] > 0
@@ -217,7 +266,7 @@ def test_auto_timing_inside_a_recompute_segment(capsys, recompute):
         torch.testing.assert_close(grads["auto"][name], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
+def test_grouped_expand_reads_each_B_where_it_lies(monkeypatch):
     """The grouped GEMM's Triton launches (forward, its backward's dz, CopyUp's dz half) get the
     parameters B_g themselves, fp32 under bf16 autocast, cast in the kernel's registers: no stacked
     or cast copy of the weights a call (the launches spied on, run as they are); the result equals
@@ -230,7 +279,7 @@ def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
     seen, launch = [], tk.grouped_mm
     monkeypatch.setattr(tk, "grouped_mm", lambda A, ops, C, groups, call: (
         seen.append((call, [o.t.data_ptr() for o in ops])), launch(A, ops, C, groups, call))[1])
-    for fn in (lambda: local_ops.grouped_up(z, Bs), lambda: parallel.CopyUp.apply(z, None, True, *Bs)):
+    for fn in (lambda: local_ops.grouped_expand(z, Bs), lambda: parallel.CopyUp.apply(z, None, True, *Bs)):
         outs = {}
         for impl in ("triton", "torch"):
             with local_ops.using(impl):
@@ -241,7 +290,7 @@ def test_grouped_up_reads_each_B_where_it_lies(monkeypatch):
             z.grad, *_ = None, [setattr(B, "grad", None) for B in Bs]
         for got, want in zip(outs["triton"], outs["torch"]):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    assert [call for call, _ in seen] == ["up", "dz", "up", "dz"], seen
+    assert [call for call, _ in seen] == ["expand", "dz", "expand", "dz"], seen
     assert all(ptrs == [B.data_ptr() for B in Bs] for _, ptrs in seen), seen
 
 

@@ -45,9 +45,9 @@ def kernel_cases(cfg, tp=TP, tokens=TOKENS):
              2 * tokens * 3 * r * d),
             ("norm_down gate,up", "norm_down", [(tokens, d), (d,), (2 * rm, d)],
              2 * tokens * 2 * rm * d),
-            ("grouped_up q,k,v", "grouped_up", [(tokens, 3 * r), (d, r), (kv, r), (kv, r)],
+            ("grouped_expand q,k,v", "grouped_expand", [(tokens, 3 * r), (d, r), (kv, r), (kv, r)],
              2 * tokens * r * (d + 2 * kv)),
-            ("grouped_up gate,up", "grouped_up", [(tokens, 2 * rm), (f, rm), (f, rm)],
+            ("grouped_expand gate,up", "grouped_expand", [(tokens, 2 * rm), (f, rm), (f, rm)],
              2 * tokens * rm * 2 * f),
             ("rms_norm (final)", "rms_norm", [(tokens, cfg.n_embd), (cfg.n_embd,)], 0)]
 
@@ -77,7 +77,7 @@ def measure_op(op, input_shapes, flops, impl, device, dtype, runs=10):
     g = torch.Generator(device="cpu").manual_seed(0)
     inputs = [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in input_shapes]
     fn = {"norm_down": lambda x, gm, A: local_ops.norm_down(x, gm, A),
-          "grouped_up": lambda z, *Bs: local_ops.grouped_up(z, list(Bs)),
+          "grouped_expand": lambda z, *Bs: local_ops.grouped_expand(z, list(Bs)),
           "rms_norm": lambda x, gm: [local_ops.rms_norm(x, gm, 1e-6)]}[op]
 
     def both():

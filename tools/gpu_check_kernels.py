@@ -22,18 +22,18 @@ import triton_kernels as tk
 
 # ragged on purpose: no size a multiple of a tile (M, K, N) or of a group's width
 RAGGED = [("norm_down", [(77, 96), (96,), (40, 96)]), ("norm_down", [(130, 33), (33,), (72, 33)]),
-          ("grouped_up", [(77, 48), (40, 16), (24, 16), (24, 16)]),
-          ("grouped_up", [(130, 40), (33, 20), (33, 20)]),
+          ("grouped_expand", [(77, 48), (40, 16), (24, 16), (24, 16)]),
+          ("grouped_expand", [(130, 40), (33, 20), (33, 20)]),
           ("rms_norm", [(77, 96), (96,)]), ("rms_norm", [(5, 5120), (5120,)])]
 # and the calls training makes besides, as it makes them: fp32 parameters and residual, under bf16
 # autocast for the bf16 pass: norm_down on the fp32 residual and gain beside A cast to bf16 (its
 # mixed signature), and parallel.CopyUp (--overlap) at a TP group of one, whose backward halves are
-# grouped_up_dz through Triton and the dB GEMMs
+# grouped_expand_dz through Triton and the dB GEMMs
 TRAINING = [("norm_down", [(77, 96), (96,), (40, 96)]),
             ("copy_up", [(77, 48), (40, 16), (24, 16), (24, 16)])]
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 FN = {"norm_down": lambda x, g, A: list(local_ops.norm_down(x, g, A)),
-      "grouped_up": lambda z, *Bs: local_ops.grouped_up(z, list(Bs)),
+      "grouped_expand": lambda z, *Bs: local_ops.grouped_expand(z, list(Bs)),
       "copy_up": lambda z, *Bs: list(parallel.CopyUp.apply(z, None, True, *Bs)),
       "rms_norm": lambda x, g: [local_ops.rms_norm(x, g, 1e-6)]}
 

@@ -40,7 +40,7 @@ GEMMS = {name: blocks for name, (_, blocks, _, _) in tk.KERNELS.items()}
 
 # the strides that are 1 in each way local_ops.py calls _grouped_mm (Triton's JIT makes them
 # constants)
-GROUPED_CALLS = {"up": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq")}
+GROUPED_CALLS = {"expand": ("s_ak", "s_bk", "s_cq"), "dz": ("s_ak", "s_bq", "s_cq")}
 
 
 def signature(fn, dtype, ones=()):
