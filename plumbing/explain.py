@@ -70,7 +70,8 @@ def totals(counts, saved, flops, tokens, names):
                  f"({saved.bytes / tokens:,.0f} per token)")
     for section, items in saved.by_section.items():
         if section.startswith("layer "):
-            shapes = ", ".join(sorted({names.shape(s) for s, _ in items}))
+            shapes = ", ".join(sorted({names.attention(s) if kind else names.shape(s)
+                                       for s, _, kind in items}))
             lines.append(f"    what {section} keeps (one layer's bytes: the table below): {shapes}")
             break
     return lines

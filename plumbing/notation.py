@@ -21,6 +21,7 @@ class Names:
         kv, V = cfg.kv_dim, cfg.vocab_size
         self.rm, self.t = ("r" if rm == ra else "r_m"), t
         self.kv = "kv" if kv != d else "d"
+        self.heads, self.kv_heads = cfg.n_head, cfg.n_kv_head
         table = [("b·s", b * s), ("b", b), ("s", s), ("d", d), ("d/t", d // t), ("f", f),
                  ("f/t", f // t),
                  *([("kv", kv), ("kv/t", kv // t)] if kv != d else []), ("V", V), ("V/t", V // t),
@@ -45,6 +46,18 @@ class Names:
 
     def shape(self, shape, prefer=()):
         return "(" + ", ".join(self.size(n, prefer) for n in shape) + ")"
+
+    def attention(self, shape):
+        """Attention's (b, heads/t, s, hd) tensors (and its (b, heads/t, s) statistic) named by
+        position, not by value: b and heads/t, or hd and r, may be equal sizes."""
+        t, cut = self.t, "/t" if self.t > 1 else ""
+        heads = {}
+        for n, name in [(self.heads // t, "heads" + cut), (self.kv_heads // t, "kv_heads" + cut),
+                        (self.heads, "heads"), (self.kv_heads, "kv_heads")]:
+            heads.setdefault(n, name)
+        named = [self.size(shape[0], ("b",)), heads.get(shape[1], str(shape[1])),
+                 *[self.size(n, (want,)) for n, want in zip(shape[2:], ("s", "hd"))]]
+        return "(" + ", ".join(named) + ")"
 
     def param(self, name, cfg):
         """A single-device parameter's shape in symbols, from its name: layers.0.attn.q.A.weight ->

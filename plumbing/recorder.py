@@ -46,7 +46,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, model, names, layout):
         super().__init__()
         self.names, self.layout, self.events, self.pending = names, layout, [], []
-        self.section = "embedding"
+        self.section, self.last = "embedding", ""   # (last: the latest op's name)
         specs = dict(model.named_specs())   # (a tp_model.TPLlama: every run trains one)
         self.model, self.labels, self.grads, self.flops = model, {}, {}, 0
         first = int(model.layers[0].label.split()[-1])   # (a pipeline stage's first layer)
@@ -114,7 +114,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = str(func)
+        name = self.last = str(func)
         if func._overloadpacket in flop_registry:
             self.flops += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
         touched = self.touched = [self.param(a) for a in args if self.param(a)]
@@ -127,11 +127,9 @@ class Recorder(TorchDispatchMode):
         if name.startswith(GEMMS):
             self.add("GEMM", self.gemm(args[-2], args[-1], out))
         elif ATTENTION in name:
-            positions = lambda t: "(" + ", ".join(self.names.size(n, prefer) for n, prefer in
-                                                  zip(t.shape,
-                                                      [("b",), ("heads/t", "kv_heads/t", "heads"),
-                                                       ("s",), ("hd",)])) + ")"
-            self.add("attention", f"q {positions(args[0])}, k and v {positions(args[1])}"
+            q, k = args[1:3] if "backward" in name else args[:2]   # (backward: dy, q, k, v, ...)
+            positions = self.names.attention
+            self.add("attention", f"q {positions(q.shape)}, k and v {positions(k.shape)}"
                      + (" (backward)" if "backward" in name else ""))
         elif name.startswith("aten.embedding."):
             label, sym = self.symbols(args[0]) or ("", ())
@@ -252,6 +250,8 @@ class SectionBytes(SavedBytes):
             return t
         storage = t.untyped_storage()
         if storage.data_ptr() not in self.params and storage.data_ptr() not in self.storages:
-            section = self.recorder.section
-            self.by_section.setdefault(section, []).append((tuple(t.shape), storage.nbytes()))
+            section, kind = self.recorder.section, self.recorder.last
+            self.by_section.setdefault(section, []).append(
+                # (attention's own, and every 4-d activation: (b, heads, s, hd) is the only one)
+                (tuple(t.shape), storage.nbytes(), ATTENTION in kind or t.dim() == 4))
         return super().pack(t)

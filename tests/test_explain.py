@@ -53,6 +53,11 @@ def test_explain_one_device(tmp_path, recompute):
     assert "fwd · layer 0" in out and "bwd · layer 1" in out and "attention" in out and "GEMM" in out
     assert "fwd · layers 0..1: the same" in out
     assert ("recompute · layer" in out) == (recompute == "lowrank")
+    # TINY's b = heads = 4: attention's tensors, live and kept, are named by position, not value
+    keeps = re.search(r"what layer 0 keeps.*", out).group(0)
+    assert ("(b, heads, s, hd)" in keeps) == ("(b, kv_heads, s, hd)" in keeps) == (recompute == "none")
+    assert "(b, b" not in out
+    assert re.search(r"attention +q \(b, heads, s, hd\), k and v \(b, kv_heads, s, hd\) \(back", out)
     cfg, _ = options.parse_args([*TINY, f"--recompute={recompute}"])
     cfg.vocab_size = options.vocab_size("bytes")
     torch.manual_seed(0)
