@@ -26,10 +26,11 @@ from plumbing.plan import make as make_plan
 from plumbing.tokenizer import load as load_tokenizer
 
 
-def sequences(folder, split, tokens, block_size):
+def sequences(folder, split, tokens, block_size, vocab_size):
     """The first `tokens` predicted tokens of a prepared split as n sequences of block_size + 1
-    tokens (n, s + 1), consecutive and not overlapping: ValueError if the split holds fewer."""
-    data = TokenFile(folder, split, block_size).data
+    tokens (n, s + 1), consecutive and not overlapping: ValueError if the split holds fewer, or
+    token ids past the model's vocabulary (its meta.json's max_id)."""
+    data = TokenFile(folder, split, block_size, vocab_size).data
     n = tokens // block_size
     if n < 1:
         raise ValueError(f"--tokens={tokens} is less than one sequence of block_size {block_size}: "
@@ -46,14 +47,15 @@ def run(args, log):
     preparation.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
     cfg, meta = train_state.verified(args.checkpoint)
     tokenizer = meta.get("tokenizer", "bytes")
-    train_state.check_tokenizer(args.checkpoint, meta, tokenizer)   # (gone or changed: one line)
+    # (gone or changed: one line; eval reads the recorded path, it has no --tokenizer)
+    train_state.check_tokenizer(args.checkpoint, meta, tokenizer, passable=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tc = replace(options.TrainConfig(), tp=args.tp, layout=args.layout, device=args.device,
                  dtype=args.dtype, tokenizer=tokenizer, gradient_accumulation_steps=world)
     plan = make_plan(cfg, tc, world)
     folder = preparation.prepare_once(args.dataset, tokenizer, args.data_dir, tc.num_proc,
                                   args.val_fraction, args.text_field, log)
-    seqs = sequences(folder, args.split, args.tokens, cfg.block_size)   # (n, s + 1)
+    seqs = sequences(folder, args.split, args.tokens, cfg.block_size, cfg.vocab_size)  # (n, s+1)
     place = placement.place_processes(plan)
     model = placement.build_model(plan, place, init=False)[0]   # (the checkpoint's values)
     error = train_state.load(args.checkpoint, meta, model, None, place.ckpt_mesh)

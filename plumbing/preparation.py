@@ -340,7 +340,9 @@ def _write(dataset, tokenizer, out, tmp, num_proc, fraction, field, enc, log):
     if n["bad_lines"]:
         notes.append(f"{n['bad_lines']:,} malformed JSON lines or rows without text skipped "
                      f"(first: {first['line']})")
-    log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({mb / seconds:.1f} MB/s, "
+    # (a rate of a small corpus in the unit it reads in: 0.0 MB/s said nothing)
+    rate = f"{mb / seconds:.1f} MB/s" if mb >= 1 else f"{mb * 1e3 / seconds:.1f} kB/s"
+    log(f"data: prepared {dataset} with {tokenizer} in {seconds:.1f} s ({rate}, "
         f"{num_proc} process{'es' if num_proc > 1 else ''}): {n['docs']:,} documents, "
         f"{n['train']:,} train and {n['val']:,} val tokens, in {out}"
         + "".join(f"; {x}" for x in notes))

@@ -42,6 +42,13 @@ def locate(name):
     """(kind, file) of a tokenizer path: ("hf", tokenizer.json) or ("spm", a .model); ValueError
     else."""
     p = Path(name)
+    shown = name if len(name) <= 200 else f"{name[:80]}... ({len(name):,} characters)"
+    try:
+        p.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as e:   # (a name too long for a path, a path through a file, no permission)
+        raise ValueError(f"tokenizer={shown} cannot be read: {e.strerror}") from None
     if p.is_dir():
         found = [p / "tokenizer.json", p / "tokenizer.model", *sorted(p.glob("*.model"))]
         p = next((f for f in found if f.is_file()), None)
@@ -49,8 +56,8 @@ def locate(name):
             raise ValueError(f"tokenizer={name} is a folder without a tokenizer.json or a "
                              f"SentencePiece .model")
     elif not p.is_file():
-        raise ValueError(f"tokenizer={name} is not one of {', '.join(NAMES)}, nor a tokenizer file "
-                         f"or folder")
+        raise ValueError(f"tokenizer={shown} is not one of {', '.join(NAMES)}, nor a tokenizer "
+                         f"file or folder")
     return ("spm" if p.suffix == ".model" else "hf"), p
 
 

@@ -198,6 +198,7 @@ def test_a_tokenizer_changed_or_gone_since_the_run_is_said_so(tmp_path, capsys, 
     code, err = command(interchange.cli, "eval", train_state.checkpoint_dirs(out)[-1],
                         "--dataset=pydoc", f"--data_dir={tmp_path / 'd'}")
     assert code == 2 and f"the tokenizer {tok} that checkpoint" in err and "\n" not in err, err
+    assert "put it back at that path" in err and "--tokenizer" not in err   # (eval has none)
     assert not (tmp_path / "d").exists()   # nothing prepared
 
 

@@ -208,3 +208,13 @@ def test_eval_command_gives_the_same_numbers_at_tp1_and_tp2(tmp_path, data_dir):
     loss, _, bpb = one
     n_bytes = int(re.search(r"([\d,]+) bytes", out).group(1).replace(",", ""))
     assert abs(bpb - loss / 0.6931471805599453 * 992 / n_bytes) < 2e-4 and 992 <= n_bytes <= 992 * 1.02
+
+
+def test_eval_refuses_token_ids_past_the_models_vocabulary(data_dir):
+    """interchange.py eval compares the prepared files' max_id with the model's vocabulary (it
+    ended in an embedding's IndexError): one line, as train.py says it."""
+    from plumbing import heldout
+    folder = next(p.parent for p in data_dir.rglob("meta.json"))
+    assert heldout.sequences(folder, "val", 64, 32, 320).shape == (2, 33)
+    with pytest.raises(ValueError, match="holds token ids up to .*, the model's vocabulary has 64"):
+        heldout.sequences(folder, "val", 64, 32, 64)
