@@ -23,16 +23,12 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from extensions import dp_shard
-import local_ops
-from extensions import muon
-from plumbing import preparation
 import sharding
 from model import estimate_mfu
 from parallel import LEDGER
-from extensions import kernel_choice
-from plumbing import data, options, placement, rundir, train_state
-from plumbing.plan import resolve
+from extensions import dp_shard, kernel_choice, muon
+from plumbing import data, faults, options, placement, preparation, rundir, train_state
+from plumbing.plan import resolve, say_schedule_change
 from plumbing.tokenizer import identity as tokenizer_identity, sample_at_end
 
 
@@ -54,6 +50,7 @@ def main(argv):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         plan, resume = resolve(argv, world, print if master else (lambda *a: None))
         tc = plan.tc
+        placement.check_fits(plan)   # (a model no rank could hold: one line, before anything)
         kernel_choice.select(tc.kernels, plan.device)   # (auto: timed per op and shape)
         if tc.explain:  # one recorded step, printed; no data, no out_dir, no checkpoint
             from plumbing import explain
@@ -71,6 +68,9 @@ def main(argv):
     interrupt = rundir.Interrupt(print if master else (lambda *a: None))
     try:
         signum = train(plan, argv, resume, interrupt)
+    except RuntimeError as e:   # (torch.distributed's errors are RuntimeErrors)
+        faults.exit_if_peer_lost(e, plan.world, plan.tc.out_dir)   # (one line, not 40-77)
+        raise
     finally:
         interrupt.restore()
         rundir.unlock(held)
@@ -123,19 +123,14 @@ def train(plan, argv, resume, interrupt):
             named = any(a.startswith("--dataset=") for a in argv)
             data.check_resumed_corpus(resume_from, meta, splits["train"], named, log)
             log(f"resuming from {resume_from} (iteration {iter_num})")
-            train_state.say_schedule_change(meta.get("train_config", {}), tc, iter_num, get_lr, log)
+            say_schedule_change(meta.get("train_config", {}), tc, iter_num, get_lr, log)
     except ValueError as e:
         fail(e)
     run = Run(plan, place, splits, raw_model, optimizer, log, run_id, resume_from)
     run.damaged = skipped   # removed at the first save: they hold nothing to resume from
-    log(f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} MFLOP/token, "
-        f"dp={plan.dp} pp={tc.pp} tp={tc.tp}" + (f" ({plan.layout})" if tc.tp > 1 else "") +
-        local_ops.describe(place.device) +
-        f", {run.tokens_per_iter:,} tokens/iter, {place.device} {run.dtype}, {place.threads}")
-    log(f"options: {options.chosen(cfg, tc)}")
-    if optimizer.said:   # (Muon's collectives over TP, as chosen)
-        log(optimizer.said)
-    log(placement.sizing_line(cfg, tc, n_params, place, plan.dtype))
+    for line in placement.start_lines(plan, place, n_params, flops_per_token, optimizer,
+                                      run.tokens_per_iter):
+        log(line)
     run.metrics = rundir.Metrics.start(tc.out_dir, master, run_id, argv, resume_from, iter_num,
                                        tc.tensorboard, run.tokens_per_iter,
                                        {"arch": cfg.arch, **rundir.machine(place.device,
@@ -170,6 +165,8 @@ class Run:
         self.model, self.pipe = placement.wrap(raw_model, tc, place, self.micro_steps,
                                                warm=self.time_kernels)
         self.pp_group = place.group("pp") if self.pipe else None
+        last_rank = int(os.environ.get("RANK", "0")) == place.world - 1
+        self.faults = faults.Faults(tc, last_rank)
 
     def time_kernels(self):
         """--kernels=auto under compile: one eager forward and backward first, so that every shape
@@ -210,24 +207,29 @@ class Run:
 
 
 @torch.no_grad()
-def evaluate(run):
+def evaluate(run, stopped=lambda: 0):
     """Mean loss over eval_iters fixed global batches per split (the same at every evaluation),
     through the model itself, not its compiled or DDP wrapper: no_grad and eval() would make
-    torch.compile trace a second graph."""
+    torch.compile trace a second graph. Before each batch, `stopped()` (every rank's agreement):
+    a signal ends the evaluation there, returning None, so a stop waits one batch, not all."""
     model, out = run.raw_model, {}
     model.eval()
-    for split in ("train", "val"):
-        total = torch.zeros((), device=run.place.device)
-        for k in range(run.tc.eval_iters):
-            with run.autocast:
-                if run.pipe:
-                    total += run.pipe.run(*run.whole(split, f"eval-{split}", k), train=False)
-                else:
-                    parts = run.shares(split, f"eval-{split}", k)
-                    total += sum(model(x, y)[1].float() for x, y in parts) / run.micro_steps
-        out[split] = run.mean_over_dp(total / run.tc.eval_iters)
-    dp_shard.reshard(run.raw_model)   # (--dp_shard=grad keeps what forward gathered)
-    model.train()
+    try:
+        for split in ("train", "val"):
+            total = torch.zeros((), device=run.place.device)
+            for k in range(run.tc.eval_iters):
+                if stopped():
+                    return None
+                with run.autocast:
+                    if run.pipe:
+                        total += run.pipe.run(*run.whole(split, f"eval-{split}", k), train=False)
+                    else:
+                        parts = run.shares(split, f"eval-{split}", k)
+                        total += sum(model(x, y)[1].float() for x, y in parts) / run.micro_steps
+            out[split] = run.mean_over_dp(total / run.tc.eval_iters)
+    finally:
+        dp_shard.reshard(run.raw_model)   # (--dp_shard=grad keeps what forward gathered)
+        model.train()
     return out
 
 
@@ -277,9 +279,7 @@ def train_step(run, iter_num):
             if sharded:   # FSDP2 reduce-scatters at the last only
                 run.model.set_requires_gradient_sync(sync)
             with (nullcontext() if sync or sharded else run.model.no_sync()), run.autocast:
-                loss = run.model(x, y)[1] / run.micro_steps
-                if rundir.fault_at(run.tc, "nan", iter_num):
-                    loss = loss * float("nan")
+                loss = run.faults.poison(run.model(x, y)[1] / run.micro_steps, iter_num)
             loss.backward()
             loss_sum += loss.detach().float()
     sharding.reduce_tied_grad(run.raw_model, run.pp_group)
@@ -340,18 +340,18 @@ def loop(run, iter_num, flops_per_token, interrupt):
         # evaluate (not again at the iteration a resumed run starts from: it was saved there)
         due = iter_num % tc.eval_interval == 0 or iter_num == tc.max_iters
         if due and not (run.resume_from and iter_num == start_iter):
-            losses = evaluate(run)
+            losses = evaluate(run, lambda: interrupt.now(run.place.host_group))
+            if losses is None:   # a stop signal during the evaluation: save this step, stop
+                signum = interrupt.signum
+                break
             record = {"eval_train_loss": losses["train"], "val_loss": losses["val"]}
             best_val = losses["val"] if best_val is None else min(best_val, losses["val"])
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if iter_num > 0:
-                crash = rundir.fault_at(tc, "kill_in_save", iter_num)
-                save_checkpoint(run, iter_num, (lambda: os._exit(1)) if crash else None)
+                save_checkpoint(run, iter_num, run.faults.in_save(iter_num))
             t_log, since_log = rundir.clock(run.place.device), 0   # (not training time)
             rundir.reset_peak_memory(run.place.device)
-        last_rank = int(os.environ.get("RANK", "0")) == run.place.world - 1
-        if rundir.fault_at(tc, "kill", iter_num) and last_rank:
-            os._exit(1)  # a rank dies mid-run; torchrun --max-restarts restarts the group
+        run.faults.after_eval(iter_num)   # (--inject_fault: the tests' failures, on purpose)
         if iter_num >= tc.max_iters:
             if record:
                 run.metrics.write({"iter": iter_num, **record})

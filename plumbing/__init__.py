@@ -9,6 +9,7 @@ package. Here:
   plan         a run's Plan, resolved once before any work (dp, layout, device, dtype, resume)
   placement    the process group and (dp, pp, tp) mesh, and the build step: this rank's model
   rundir       the out_dir: its lock, metrics log, interrupts, profiler and TensorBoard
+  faults       --inject_fault (the failures the tests provoke, as hooks) and a peer lost
   train_state  training-state checkpoints (DCP): save, verify, choose, resume
   integrity    checksums, and reading files from elsewhere as data (never code)
   pickle_scan  a checkpoint's .metadata read as an opcode stream first: no hang, no crash

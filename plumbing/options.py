@@ -19,11 +19,10 @@ import torch
 from recompute import RECOMPUTE
 from extensions import dp_shard
 import local_ops
-from plumbing import preparation
 import layouts
 from lax import LAX_GATES
 from model import ARCHS, GATES, Config
-from plumbing import data, train_state
+from plumbing import data, preparation, train_state
 from plumbing.tokenizer import NAMES as TOKENIZER_NAMES, load as load_tokenizer
 
 
@@ -312,11 +311,9 @@ def _parse(argv, recorded):
 
 
 def check_values(tc):
-    """Every training value in its range (ValueError naming the option): nothing starts
-    otherwise."""
+    """Every training value in its range, else a ValueError naming the option (before work)."""
     for name in ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
-                 "eval_iters", "tp", "pp", "pp_virtual_stages",
-                 "keep_checkpoints", "timeout_s"):
+                 "eval_iters", "tp", "pp", "pp_virtual_stages", "keep_checkpoints", "timeout_s"):
         if getattr(tc, name) < 1:
             raise ValueError(f"{name}={getattr(tc, name)} must be at least 1")
     for name in ("max_iters", "dp", "warmup_iters", "lr_decay_iters", "seed", "sample_tokens",
@@ -361,6 +358,7 @@ def check_values(tc):
         if tc.explain:
             raise ValueError("explain=true runs one step and exits: there is nothing for profile "
                              "to trace")
+    check_names_and_modes(tc)
     if tc.overwrite and tc.init_from != "scratch":
         raise ValueError(f"overwrite=true discards the earlier run, init_from={tc.init_from} "
                          f"continues it: choose one")
@@ -368,6 +366,19 @@ def check_values(tc):
     if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
         raise ValueError(f"out_dir={tc.out_dir} is a file, not a folder")
     check_device(tc.device)
+
+
+def check_names_and_modes(tc):
+    """No empty name where a path or corpus is meant, and no Muon mode that would be ignored."""
+    for name in ("out_dir", "data_dir", "dataset", "tokenizer"):
+        if not getattr(tc, name).strip():
+            raise ValueError(f"{name} is empty: name one (the default is "
+                             f"{getattr(TrainConfig, name)})")
+    if tc.muon_mode != "auto" and (tc.optimizer != "muon" or tc.tp == 1):
+        why = ("it needs --optimizer=muon" if tc.optimizer != "muon" else
+               "at tp=1 every matrix is whole on its rank, leave it at auto")
+        raise ValueError(f"muon_mode={tc.muon_mode} chooses how Muon's updates cross tensor "
+                         f"parallelism: {why}")
 
 
 def check_device(device):
@@ -385,6 +396,5 @@ def check_device(device):
 
 
 def vocab_size(tokenizer):
-    """The model's vocabulary: the tokenizer's, padded to a multiple of 64 (fast, divisible by
-    tp)."""
+    """The tokenizer's vocabulary, padded to a multiple of 64 (fast, divisible by tp)."""
     return 64 * math.ceil(load_tokenizer(tokenizer).n_vocab / 64)

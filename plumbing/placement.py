@@ -9,7 +9,7 @@ it wires in the extensions a run may use: LaX's layers and the Triton side of th
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -25,6 +25,7 @@ import sharding
 from extensions import dp_shard, kernel_choice
 from extensions import lax_layers  # noqa: F401  (registers LaX's extension of the layers)
 from model import Llama
+from plumbing.rundir import duration
 
 
 @dataclass
@@ -182,7 +183,8 @@ ACTIVATION_VALUES, LOGIT_VALUES = 34, 3
 
 
 def footprint(cfg, tc, n_params, place, dtype="float32"):
-    """(estimated peak bytes of one rank: {"state", "activations", "logits"}, bytes one rank of this
+    """(`place`: a Place or the Plan, what it reads of both: device, dp, world)
+    (estimated peak bytes of one rank: {"state", "activations", "logits"}, bytes one rank of this
     machine may use). State: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter,
     cut by tp and pp (and dp under --dp_shard); activations ≈ 34·d values a token a layer, and the
     logits with their softmax and gradient, 3·V values a token, of a micro-batch, each value in the
@@ -200,6 +202,72 @@ def footprint(cfg, tc, n_params, place, dtype="float32"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", place.world))
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
     return parts, machine
+
+
+def count_params(cfg):
+    """The full model's parameter count by arithmetic, before anything is built: a reference of at
+    most two layers on the meta device (under LaX the first layer has no crossing into it), its
+    last layer times the layers left (so --n_layer=1000000 is counted in a moment, not built)."""
+    with torch.device("meta"):
+        few = Llama(replace(cfg, n_layer=min(cfg.n_layer, 2)))
+    last = sum(p.numel() for p in few.layers[-1].parameters())
+    return few.num_params() + (cfg.n_layer - len(few.layers)) * last
+
+
+def check_fits(plan):
+    """Refuse, before any work, a model whose weights, gradients and AdamW moments alone (16 bytes
+    a parameter, cut by tp, pp and --dp_shard) exceed what this machine has for a rank: nothing
+    could train it (ValueError). What is close is sizing_line's warning."""
+    cfg, tc = plan.cfg, plan.tc
+    n_params = count_params(cfg)
+    parts, machine = footprint(cfg, tc, n_params, plan, plan.dtype)
+    if parts["state"] > machine:
+        raise ValueError(f"the model ({cfg.n_layer:,} layers, n_embd {cfg.n_embd}: "
+                         f"{n_params / 1e6:,.0f}M parameters) needs {parts['state'] / 1e9:,.1f} GB "
+                         f"a rank for its weights, gradients and AdamW moments, more than the "
+                         f"{machine / 1e9:.1f} GB this machine has for one: a smaller model, or "
+                         "more ranks (--tp, --pp, --dp_shard)")
+
+
+def start_lines(plan, place, n_params, flops_per_token, optimizer, tokens_per_iter):
+    """The lines a run starts with: the model and its placement, the options that differ from the
+    defaults, Muon's collectives (as chosen), its memory, and its time."""
+    from plumbing import options   # (options reads the kernels' names: imported when it speaks)
+    cfg, tc = plan.cfg, plan.tc
+    lines = [f"{cfg.arch}: {n_params / 1e6:.2f}M parameters, {flops_per_token / 1e6:.1f} "
+             f"MFLOP/token, dp={plan.dp} pp={tc.pp} tp={tc.tp}" +
+             (f" ({plan.layout})" if tc.tp > 1 else "") + local_ops.describe(place.device) +
+             f", {tokens_per_iter:,} tokens/iter, {place.device} {plan.dtype}, {place.threads}",
+             f"options: {options.chosen(cfg, tc)}"]
+    lines += [optimizer.said] if optimizer.said else []
+    rate = matmul_rate(place.device, plan.dtype)
+    return lines + [sizing_line(cfg, tc, n_params, place, plan.dtype),
+                    timing_line(flops_per_token, tokens_per_iter, tc, place.world, rate)]
+
+
+def matmul_rate(device, dtype, n=512, reps=4):
+    """FLOP/s of an n×n matmul on this device in the run's dtype, timed now (a few ms): no step
+    runs its matmuls faster, so it bounds a step's time from below."""
+    dtype = getattr(torch, dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype)   # (n, n)
+    (a @ a).sum().item()   # (warm: the first call pays for its library's setup)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b = a @ a   # (n, n)
+    b.sum().item()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def timing_line(flops_per_token, tokens_per_iter, tc, world, rate):
+    """How long a step and an evaluation take at least: their FLOPs a rank computes (training:
+    forward and backward, flops_per_token; evaluation: forward alone, a third, over eval_iters
+    batches of each split) at `rate`. Small models fall short of it; a large one meets it."""
+    step = flops_per_token * tokens_per_iter / world / rate
+    evaluation = 2 * tc.eval_iters * flops_per_token / 3 * tokens_per_iter / world / rate
+    said = lambda s: f"{s * 1e3:.0f} ms" if s < 1 else duration(s)
+    return (f"time: at this device's matmul rate ({rate / 1e9:,.0f} GFLOP/s, measured now) a "
+            f"step takes at least {said(step)} and an evaluation (every {tc.eval_interval} "
+            f"steps) {said(evaluation)}")
 
 
 def sizing_line(cfg, tc, n_params, place, dtype="float32"):

@@ -5,8 +5,9 @@ some of them `auto`. Here they are resolved once, with every check that can fail
 that placement.py and train.py read and never resolve again: the data-parallel degree, the
 layout, the device and the dtype; and, for a resumed run, the options its checkpoint recorded.
 """
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -138,3 +139,22 @@ def check_dp_shard(tc, dp):
     if tc.compile:  # (FSDP2 under torch.compile wants per-layer compilation: not built, not tested)
         raise ValueError(f"dp_shard={tc.dp_shard} does not compose with compile=true yet; "
                          f"dp_shard=none does")
+
+
+def say_schedule_change(recorded, tc, it, get_lr, log):
+    """One line, logged and returned, where resuming at iteration `it` moves the learning-rate
+    schedule the checkpoint's run followed (its options `recorded`: a larger --max_iters stretches
+    the cosine); else None. get_lr(it, tc): train.py's schedule."""
+    kept = {k: recorded[k] for k in SCHEDULE if k in recorded}
+    old = type(tc)(**{**asdict(tc), **kept})
+    was, now = get_lr(it, old), get_lr(it, tc)
+    if math.isclose(was, now):   # (the same schedule, or one that agrees here)
+        return None
+    ends = old.lr_decay_iters or old.max_iters
+    line = (f"the learning-rate schedule changes on resuming: {was:.2e} at iteration {it} becomes "
+            f"{now:.2e} (to keep the old one, pass --lr_decay_iters={ends})")
+    log(line)
+    return line
+
+
+SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "max_iters")

@@ -13,10 +13,9 @@ Not in the BOOST paper (arXiv 2512.12131); what makes a long run of train.py saf
   event replace any of the same number before it (rows of an interrupted attempt are kept).
 - Interrupts. SIGINT (Ctrl-C) and SIGTERM (what schedulers send before they kill a job; torchrun
   forwards both to its workers and waits 30 s before SIGKILL) set a flag; the loop finishes the
-  current step, the ranks agree, it saves a checkpoint and exits 128 + the signal number. A second
-  signal stops at once. Before the loop starts, a signal stops at once (there is nothing to save).
-  Under torchrun the ranks agree through one all-reduce of their flags a step, overlapped with the
-  next step, so the run stops one step after the signal.
+  current step or evaluation batch, the ranks agree, it saves and exits 128 + the signal number. A
+  second signal, or one before the loop starts (nothing to save), stops at once. Under torchrun
+  the ranks agree through an all-reduce of their flags a step, overlapped with the next step.
 - Traces. --profile=W:A records A steps after the first W of this run with torch.profiler into one
   Chrome trace per rank, <out_dir>/trace/rank<N>.json (the collectives, BTP's chunks and the
   optimizer step labelled), replacing the files of an earlier profile there.
@@ -91,7 +90,7 @@ def unlock(f):
         f.close()
 
 
-def _checkpoint_folders(out_dir):
+def checkpoint_folders(out_dir):
     """Every checkpoint folder a run wrote in out_dir, complete (iter_N) or not (iter_N.tmp)."""
     folder = os.path.join(out_dir, "checkpoints")
     return sorted(os.path.join(folder, d) for d in os.listdir(folder) if d.startswith("iter_")) \
@@ -101,7 +100,7 @@ def _checkpoint_folders(out_dir):
 def earlier_run(out_dir):
     """What an earlier run left in out_dir: a list of 'N checkpoints', 'metrics.jsonl'."""
     found = []
-    ckpts = _checkpoint_folders(out_dir)
+    ckpts = checkpoint_folders(out_dir)
     if ckpts:
         found.append(f"{len(ckpts)} checkpoint folder{'s' if len(ckpts) > 1 else ''}")
     if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
@@ -133,7 +132,7 @@ def check_scratch(out_dir, overwrite):
 def discard(out_dir):
     """--overwrite: remove what an earlier run wrote (checkpoints/iter_*, metrics.jsonl,
     run.json)."""
-    for d in _checkpoint_folders(out_dir):
+    for d in checkpoint_folders(out_dir):
         shutil.rmtree(d)
     for name in ("metrics.jsonl", "run.json"):
         if os.path.exists(os.path.join(out_dir, name)):
@@ -150,9 +149,8 @@ def machine(device, world):
 
 
 def tell_torchrun(line):
-    """Under torchrun, `line` (a user error) into the error file torchrun names for this rank
-    (TORCHELASTIC_ERROR_FILE, as its @record would write it): its failure summary, the last thing
-    it prints, then shows the line where it would say "To enable traceback see ..."."""
+    """Under torchrun, `line` (a user error) into this rank's TORCHELASTIC_ERROR_FILE, as @record
+    writes it: torchrun's failure summary, printed last, then shows it in place of a traceback."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with contextlib.suppress(OSError):
@@ -220,8 +218,15 @@ class Metrics:
 
     def write(self, record):
         if self.f:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
+            try:
+                self.f.write(json.dumps(record) + "\n")
+                self.f.flush()
+            except OSError as e:   # (a full disk: one line and exit 2, the checkpoints whole)
+                print(line := f"error: cannot write {self.f.name} ({e.strerror}); the run stops "
+                      "here, its checkpoints untouched: free space, then --init_from=resume",
+                      file=sys.stderr)
+                tell_torchrun(line)
+                sys.exit(2)
         if self.board and "event" not in record:
             for key, value in record.items():
                 if key != "iter" and isinstance(value, (int, float)):
@@ -265,8 +270,8 @@ class Interrupt:
             sys.stdout.flush()
             os._exit(128 + signum)
         self.signum = signum
-        self.say(f"{name}: finishing this iteration, then saving a checkpoint ({name} again stops "
-                 f"at once)")
+        self.say(f"{name}: finishing this iteration (or evaluation batch), then saving a "
+                 f"checkpoint ({name} again stops at once)")
 
     @contextlib.contextmanager
     def deferred(self):
@@ -296,6 +301,17 @@ class Interrupt:
         self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True),
                         flag)
         return result
+
+    def now(self, group):
+        """The signal number if a rank was interrupted, agreed now (evaluation asks between its
+        batches, so a stop takes effect within one batch): the step's agreement in flight, then one
+        blocking all-reduce (MAX) of the flags over `group`; called by every rank alike. A rank
+        that got no signal itself takes the agreed one as its own."""
+        if group is not None:
+            earlier, flag = self.settle(), torch.tensor([self.signum])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            self.signum = self.signum or max(earlier, int(flag.item()))
+        return self.signum
 
     def settle(self):
         """Wait for the all-reduce in flight (before other collectives, at the end); its result."""
@@ -382,9 +398,3 @@ def profiler(spec, out_dir, rank, log, steps=None):
         on_trace_ready=write, record_shapes=True)
     prof.start()
     return prof
-
-
-def fault_at(tc, kind, iter_num):
-    """True where --inject_fault asks for this fault now (never in a group torchrun restarted)."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return tc.inject_fault == f"{kind}:{iter_num}" and not restarted

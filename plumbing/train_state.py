@@ -19,9 +19,7 @@ A resume continues the run with the model, data and schedule options the checkpo
 recorded, unless the launch gives them again (an older checkpoint taken in place of a damaged one
 must give the same options). Exporting a checkpoint and importing one are interchange.py's commands.
 """
-import dataclasses
 import glob
-import math
 import json
 import os
 import shutil
@@ -177,16 +175,32 @@ def save(out_dir, iter_num, raw_model, optimizer, mesh, meta, keep=2, before_pub
                                                 "crc32": integrity.crc32(os.path.join(tmp, f))})
     if before_publish:
         before_publish()  # the fault-injection hook of the tests: die before the rename
+    failed = publish(tmp, final, {**meta, "iter_num": iter_num, "files": files}) if master else None
+    if dist.is_initialized():   # (every rank learns rank 0's outcome: one line on each, no hang)
+        said = [failed]
+        dist.broadcast_object_list(said, src=0)
+        failed = said[0]
+    if failed:
+        raise ValueError(f"cannot write checkpoint {final} ({failed}); the previous checkpoints "
+                         "are untouched")
     if master:
-        record = {**meta, "iter_num": iter_num, "files": files}
+        prune(out_dir, meta.get("run_id"), iter_num, keep, discard)
+    return final, sum(f["bytes"] for f in files.values())
+
+
+def publish(tmp, final, record):
+    """meta.json into tmp, then tmp renamed to final; what the system said where it failed (a full
+    disk: the shards fit, meta.json did not), with tmp removed, else None."""
+    try:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({**record, "meta_crc32": integrity.meta_crc32(record)}, f, indent=1)
         # this run's own checkpoint of this iteration, if it rolled back
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # atomic: a reader sees the old set of checkpoints or the new one
-        prune(out_dir, meta.get("run_id"), iter_num, keep, discard)
-    _barrier()
-    return final, sum(f["bytes"] for f in files.values())
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)   # (it would only fill the disk)
+        return e.strerror or str(e)
+    return None
 
 
 def _reason(e):
@@ -315,9 +329,9 @@ def read_meta(path, config=(), tokenizer=None):
     return meta
 
 
-def check_tokenizer(path, meta, tokenizer):
-    """ValueError unless `tokenizer` (None: nothing to compare) is the one the checkpoint was
-    written with: the same file, unchanged, where it names a file."""
+def check_tokenizer(path, meta, tokenizer, passable=True):
+    """ValueError unless `tokenizer` (None: nothing to compare) is the checkpoint's, the same file
+    unchanged; `passable`: the command has a --tokenizer to name a copy with (eval has none)."""
     if tokenizer is None:
         return
     # (checkpoints of bytes and gpt2 named them only)
@@ -325,7 +339,8 @@ def check_tokenizer(path, meta, tokenizer):
     same_file = tokenizer == meta.get("tokenizer") and tokenizer not in ("bytes", "gpt2")
     if same_file and not os.path.exists(tokenizer):
         raise ValueError(f"the tokenizer {tokenizer} that checkpoint {path} was written with is "
-                         "gone (deleted or moved): put it back, or pass --tokenizer= a copy of it")
+                         "gone (deleted or moved): put it back" + (", or pass --tokenizer= a "
+                         "copy of it" if passable else " at that path (or a copy of it there)"))
     mine = tokenizer_identity(tokenizer)
     if theirs != mine and tokenizer == meta.get("tokenizer"):
         raise ValueError(f"the tokenizer file {tokenizer} changed since checkpoint {path} was "
@@ -379,21 +394,3 @@ def load(path, meta, raw_model, optimizer, mesh):
         optimizer.state[p]["step"] = step.detach().clone().to(p.device)
     return None
 
-
-def say_schedule_change(recorded, tc, it, get_lr, log):
-    """One line, logged and returned, where resuming at iteration `it` moves the learning-rate
-    schedule the checkpoint's run followed (its options `recorded`: a larger --max_iters stretches
-    the cosine); else None. get_lr(it, tc): train.py's schedule."""
-    kept = {k: recorded[k] for k in SCHEDULE if k in recorded}
-    old = type(tc)(**{**dataclasses.asdict(tc), **kept})
-    was, now = get_lr(it, old), get_lr(it, tc)
-    if math.isclose(was, now):   # (the same schedule, or one that agrees here)
-        return None
-    ends = old.lr_decay_iters or old.max_iters
-    line = (f"the learning-rate schedule changes on resuming: {was:.2e} at iteration {it} becomes "
-            f"{now:.2e} (to keep the old one, pass --lr_decay_iters={ends})")
-    log(line)
-    return line
-
-
-SCHEDULE = ("learning_rate", "min_lr", "warmup_iters", "lr_decay_iters", "max_iters")

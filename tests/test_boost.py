@@ -315,6 +315,32 @@ def test_killed_rank_restarts_and_finishes_like_uninterrupted(tmp_path, data_dir
 
 
 @pytest.mark.slow
+def test_a_rank_killed_without_restarts_leaves_one_line_on_the_other(tmp_path, data_dir):
+    """Rank 1 dies at step 6 (as kill -9 would: os._exit, no agent to restart it): rank 0's
+    collective fails, and rank 0 says in one line which rank died, the last checkpoint and how to
+    go on (it printed a 40-77-line gloo traceback), exit 1; the checkpoint at step 4 is whole."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    argv = [sys.executable, str(ROOT / "train.py"), f"--out_dir={tmp_path}",
+            f"--data_dir={data_dir}", *TINY, *CKPT_RUN, "--inject_fault=kill:6"]
+    ranks = [subprocess.Popen(argv, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    (_, err0), _ = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [1, 1], err0
+    last = tmp_path / "checkpoints" / "iter_0000004"
+    assert err0.strip() == (f"error: rank 0: rank 1 of this job died, so a collective failed; the "
+                            f"last checkpoint is {last}; continue with the same command and "
+                            "--init_from=resume (torchrun --max-restarts=N restarts the group by "
+                            "itself)")
+    assert [Path(d).name for d in train_state.checkpoint_dirs(tmp_path)] == ["iter_0000004"]
+
+
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, data_dir, straight):
     common = [f"--out_dir={tmp_path}", f"--data_dir={data_dir}", *TINY, *CKPT_RUN]
     res = torchrun(1, *common, "--inject_fault=nan:6", check=False)

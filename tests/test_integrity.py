@@ -292,6 +292,28 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(capsys, monkeypatch, 
     assert [Path(d).name for d in train_state.checkpoint_dirs(out)] == ["iter_0000002"]
     assert not (out / "checkpoints" / "iter_0000004.tmp").exists()
 
+    def full_meta(path, mode="r", *args, **kw):   # (the shards fit, meta.json does not)
+        return real_open("/dev/full" if str(path).endswith("meta.json") and "w" in mode else path,
+                         mode, *args, **kw)
+    monkeypatch.setattr(train_state, "open", full_meta, raising=False)
+    expect_error(capsys, [f"--out_dir={out}", f"--data_dir={data_dir}", *TINY, "--init_from=resume", "--max_iters=4",
+                          "--eval_interval=2"], "cannot write checkpoint", "No space left on device")
+    monkeypatch.undo()
+    assert [Path(d).name for d in train_state.checkpoint_dirs(out)] == ["iter_0000002"]
+    assert not (out / "checkpoints" / "iter_0000004.tmp").exists()
+
+
+def test_a_full_disk_under_the_metrics_log_is_one_line(tmp_path, capsys):
+    """metrics.jsonl on a full disk (/dev/full): one error line, exit 2, not a traceback."""
+    from plumbing import rundir
+    metrics = rundir.Metrics(tmp_path, active=True)
+    metrics.f = open("/dev/full", "a")
+    with pytest.raises(SystemExit) as e:
+        metrics.write({"iter": 1, "loss": 2.0})
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: cannot write /dev/full (No space left on device); the run stops")
+
 
 def test_a_damaged_exported_file_is_refused_by_sample(tmp_path, checkpoint):
     assert tool("export", checkpoint, tmp_path / "m.pt")[0] == 0

@@ -194,6 +194,12 @@ def test_second_signal_stops_at_once():
     (["--overwrite=true", "--init_from=resume"], "overwrite=true discards the earlier run"),
     (["--inject_fault=boom:3"], "inject_fault=boom:3 is not"),
     (["--inject_fault=kill:1:2"], "inject_fault=kill:1:2 is not kill:N"),
+    (["--muon_mode=gram"], "muon_mode=gram chooses how Muon's updates cross tensor parallelism: "
+                           "it needs --optimizer=muon"),
+    (["--muon_mode=owner", "--optimizer=muon"], "at tp=1 every matrix is whole on its rank"),
+    (["--data_dir= "], "data_dir is empty: name one (the default is data)"),
+    (["--out_dir="], "out_dir is empty: name one (the default is out)"),
+    (["--tokenizer=" + "t" * 5000], "t... (5,000 characters) cannot be read: File name too long"),
 ])
 def test_bad_values(capsys, tmp_path, argv, fragment):
     expect_error(capsys, [f"--out_dir={tmp_path / 'o'}", *argv], fragment)
@@ -304,6 +310,21 @@ def test_the_start_says_where_the_parameters_and_memory_go(monkeypatch):
     monkeypatch.setattr(os, "sysconf", lambda name: 1024 if name == "SC_PHYS_PAGES" else 4096)   # 4 MB
     assert "of the 0.0 GB this machine has for it; MORE THAN IT HAS: lower --batch_size" in \
         placement.sizing_line(cfg, tc, n_params, one)
+
+
+def test_the_start_says_how_long_a_step_and_an_evaluation_take_at_least():
+    """The time line: a rank's share of a step's FLOPs (flops_per_token per token of the global
+    batch, over the world) and of an evaluation's (a third of them, over eval_iters batches of two
+    splits) at the measured matmul rate; the rate is a real, positive measurement."""
+    from plumbing import placement
+    _, tc = options.parse_args(["--eval_iters=10", "--eval_interval=50"])
+    line = placement.timing_line(3e6, 4096, tc, 2, 1e9)   # 3 MFLOP/token, 4,096 tokens, 2 ranks
+    # step: 3e6 * 4096 / 2 / 1e9 = 6.1 s; evaluation: 2 * 10 * 1e6 * 4096 / 2 / 1e9 = 41 s
+    assert line == ("time: at this device's matmul rate (1 GFLOP/s, measured now) a step takes "
+                    "at least 6.1s and an evaluation (every 50 steps) 41.0s")
+    assert "at least 6 ms and an evaluation (every 50 steps) 41 ms" in \
+        placement.timing_line(3e6, 4096, tc, 2, 1e12)
+    assert placement.matmul_rate("cpu", "float32", n=64, reps=2) > 1e6
 
 
 @pytest.mark.slow

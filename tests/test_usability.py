@@ -1,6 +1,6 @@
 """test_usability.py: what a user meets: the CPU threads a run chooses, its log's start line, a
-stop signal during a resume, a resume from elsewhere, outputs that cannot be written, sampling,
-the named tokenizers as Hugging Face files.
+stop signal during a resume or an evaluation, a model too large refused, a resume from elsewhere,
+outputs that cannot be written, sampling, the named tokenizers as Hugging Face files.
 
 Not in the BOOST paper (arXiv 2512.12131): the running of its training loop on a shared machine.
 """
@@ -243,14 +243,62 @@ def test_resuming_with_a_longer_schedule_says_the_rate_jumps():
     """A finished 2000-step run resumed with --max_iters=3000: the cosine is stretched, so the rate
     at iteration 2000 jumps from min_lr up; one line says so and how to keep the old schedule."""
     import train
-    from plumbing import train_state
     old = options.parse_args(["--max_iters=2000", "--learning_rate=1e-3", "--min_lr=1e-4"])[1]
     new = options.parse_args(["--max_iters=3000", "--learning_rate=1e-3", "--min_lr=1e-4"])[1]
     recorded, logged = dataclasses.asdict(old), []
-    said = train_state.say_schedule_change(recorded, new, 2000, train.get_lr, logged.append)
+    said = plans.say_schedule_change(recorded, new, 2000, train.get_lr, logged.append)
     assert said.startswith("the learning-rate schedule changes on resuming: 1.00e-04 at iteration 2000")
     assert "--lr_decay_iters=2000" in said and logged == [said]
     kept = options.parse_args(["--max_iters=3000", "--lr_decay_iters=2000", "--learning_rate=1e-3",
                                "--min_lr=1e-4"])[1]
-    assert train_state.say_schedule_change(recorded, kept, 2000, train.get_lr, logged.append) is None
-    assert train_state.say_schedule_change(recorded, old, 1500, train.get_lr, logged.append) is None
+    assert plans.say_schedule_change(recorded, kept, 2000, train.get_lr, logged.append) is None
+    assert plans.say_schedule_change(recorded, old, 1500, train.get_lr, logged.append) is None
+
+
+@pytest.mark.parametrize("extra", [[], ["--arch=full"], ["--arch=svd", "--lax=true", "--lax_gate=kron"]])
+def test_the_parameter_count_is_arithmetic_and_exact(extra):
+    """placement.count_params (one layer on the meta device, times n_layer) equals the built
+    model's count, LaX's gates included."""
+    from model import Llama
+    cfg, _ = options.parse_args([*TINY, "--n_layer=3", *extra])
+    cfg.vocab_size = 300
+    with torch.device("meta"):
+        assert placement.count_params(cfg) == Llama(cfg).num_params()
+
+
+@pytest.mark.parametrize("argv", [["--n_layer=1000000"], ["--n_layer=99999999999999999999"],
+                                  ["--n_embd=65536", "--n_head=64"]])
+def test_a_model_no_rank_can_hold_is_one_line_before_anything(tmp_path, capsys, argv):
+    """It built layer after layer for hours with no output: the state's 16 bytes a parameter are
+    counted first, and one line refuses what exceeds the machine, before any corpus or folder."""
+    from conftest import expect_error
+    out = tmp_path / "out"
+    expect_error(capsys, [*TINY, f"--out_dir={out}", f"--data_dir={tmp_path / 'data'}", *argv],
+                 "for its weights, gradients and AdamW moments, more than the", "more ranks")
+    assert not out.exists() and not (tmp_path / "data").exists()
+
+
+def test_a_stop_signal_during_an_evaluation_takes_effect_within_one_batch(tmp_path, data_dir,
+                                                                         capsys, monkeypatch):
+    """SIGINT during the step-0 evaluation of 50 batches (it ran on for 9 minutes on a large run):
+    the evaluation stops before its next batch, step 0 is saved, exit 128+2."""
+    import signal
+    import train
+    from conftest import run_train
+    batches = []
+
+    def shares(self, split, stream, step):
+        batches.append(stream)
+        if stream == "eval-train" and step == 1:
+            os.kill(os.getpid(), signal.SIGINT)   # (the handler runs here, mid-evaluation)
+        return real(self, split, stream, step)
+    real = train.Run.shares
+    monkeypatch.setattr(train.Run, "shares", shares)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        run_train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--eval_iters=50")
+    log = capsys.readouterr().out
+    assert e.value.code == 128 + signal.SIGINT
+    assert batches.count("eval-train") == 2 and "eval-val" not in batches   # (no batch after)
+    assert "train" not in batches and "interrupted at iteration 0" in log    # (no step either)
+    assert (out / "checkpoints/iter_0000000").is_dir()
