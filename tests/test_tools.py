@@ -267,7 +267,27 @@ def test_quality_sweep_at_a_toy_size(monkeypatch, capsys, tmp_path):
     text, out = q.sweep(["--sweep=dense", "--target_step=2", *keep], log=lambda *a: None)
     assert list(out["recipes"]) == ["dense lr 1e-3", "dense lr 2e-3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense_lr_1e-3-0.json", "dense_lr_2e-3-0.json"]
-    assert q.sweep(["--sweep=dense", "--target_step=2", *keep], log=lambda *a: None)[1] == out   # (kept)
+    said = []
+    assert q.sweep(["--sweep=dense", "--target_step=2", *keep], log=said.append)[1] == out   # (kept)
+    assert f"reused 2 record(s) from {tmp_path} (the same arguments, commit and corpus)" in said
+    # a record made on another commit (or corpus) is trained again, and its file rewritten
+    kept = tmp_path / "dense_lr_1e-3-0.json"
+    record = json.loads(kept.read_text())
+    assert set(record["key"]) == {"argv", "commit", "corpus"}
+    kept.write_text(json.dumps({**record, "key": {**record["key"], "commit": "0" * 40}}))
+    said.clear()
+    q.sweep(["--sweep=dense", "--target_step=2", *keep], log=said.append)
+    assert any("reused 1 record(s)" in line for line in said)
+    assert json.loads(kept.read_text())["key"] == record["key"]
+    # a kept file that is not a record: one line, before any training
+    for bad in ("{not json", '{"key": {}, "records": "x"}', '{"key": {}, "records": [{"iter": "1"}]}',
+                '[1, 2]', '{"key": {}, "records": [{"iter": 1, "val_loss": "low"}]}'):
+        kept.write_text(bad)
+        with pytest.raises(SystemExit) as e:
+            q.sweep(["--sweep=dense", "--target_step=2", *keep], log=lambda *a: None)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {kept} is not a kept run's record")
+        assert err.count("\n") == 1
     best = min(r["at_step"][0] for r in out["recipes"].values())
     assert out["target"] == best and "| 1/1 | 2 ± 0 |" in text
     with pytest.raises(SystemExit) as e:

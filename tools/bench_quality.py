@@ -109,27 +109,65 @@ def curve(records):
 def train(runs, shape, seeds, eval_every, tmp, log, keep=None):
     """{run: [records of each seed]}, the runs interleaved seed by seed, each a fresh process. With
     `keep` (a folder), each run's records are kept there and reused when the same arguments come
-    again (a sweep that was stopped goes on where it was)."""
+    again on the same code and corpus (a sweep that was stopped goes on where it was); a kept file
+    that is not a record is a ValueError naming it."""
     import json
     from bench_common import train_run
     nproc = next((int(a.split("=")[1]) for a in shape if a.startswith("--tp=")), 1)
-    out = {name: [] for name in runs}
+    out, reused = {name: [] for name in runs}, 0
     for seed in range(seeds):
         for i, (name, args) in enumerate(runs.items()):   # (a folder each: seed, run)
             argv = [*shape, *args, f"--seed={1337 + seed}", f"--eval_interval={eval_every}"]
             kept = Path(keep) / f"{name.replace(' ', '_').replace(',', '')}-{seed}.json" \
                 if keep else None
-            if kept and kept.is_file() and json.loads(kept.read_text())["argv"] == argv:
-                records = json.loads(kept.read_text())["records"]
-            else:
+            key = run_key(argv) if kept else None
+            records = read_kept(kept, key) if kept and kept.is_file() else None
+            reused += records is not None
+            if records is None:
                 records = train_run(nproc, argv, f"{tmp}/{seed}-{i}")
                 if kept:
                     kept.parent.mkdir(parents=True, exist_ok=True)
-                    kept.write_text(json.dumps({"argv": argv, "records": records}))
+                    kept.write_text(json.dumps({"key": key, "records": records}))
             out[name].append(records)
             points = curve(records)
             log(f"  seed {seed}: {name}: val {points[-1][1]:.4f} at step {points[-1][0]}")
+    if reused:
+        log(f"reused {reused} record(s) from {keep} (the same arguments, commit and corpus)")
     return out
+
+
+def run_key(argv):
+    """What a kept run's records stand for: its arguments, the code's commit (with '+changes' where
+    the work tree differs from it) and its corpus's fingerprint (names, sizes, times)."""
+    import subprocess
+    from plumbing import options, preparation
+    root = Path(__file__).resolve().parents[1]
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout
+    commit = git("rev-parse", "HEAD").strip() or "not a git checkout"
+    commit += "+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else ""
+    _, tc = options.parse_args(argv)
+    corpus = preparation.fingerprint(tc.dataset, tc.val_fraction, tc.text_field)
+    return {"argv": argv, "commit": commit, "corpus": corpus}
+
+
+def read_kept(path, key):
+    """The records kept in `path` where they were made under `key`, None where under another; a
+    file that is not such a record (bad JSON, missing keys, wrong types) is a ValueError."""
+    import json
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a kept run's record ({e}): remove it") from None
+    records = kept.get("records") if isinstance(kept, dict) else None
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    good = isinstance(records, list) and records and all(
+        isinstance(r, dict) and isinstance(r.get("iter"), int) and
+        all(number(r[k]) for k in ("val_loss", "ms") if k in r) for r in records) and \
+        any("val_loss" in r for r in records) and isinstance(kept.get("key", {}), dict)
+    if not good:
+        raise ValueError(f"{path} is not a kept run's record (it needs a key and a list of "
+                         "records, each an iter with numbers): remove it")
+    return records if kept.get("key") == key else None   # (an older record had no key)
 
 
 def summarise(runs, trained, targets, tokens_per_iter, flops):
@@ -303,7 +341,11 @@ def sweep(extra, log=print):
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
     keep = opts.get("keep_runs") or Path(__file__).resolve().parents[1] / "bench-results" / "sweep"
     with tempfile.TemporaryDirectory() as tmp:
-        trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log, keep)
+        try:
+            trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log, keep)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     at = {name: [dict(curve(rec)).get(step) for rec in recs] for name, recs in trained.items()}
     dense = {name: statistics.fmean(v) for name, v in at.items() if name.startswith("dense")
              and None not in v}
