@@ -230,9 +230,9 @@ def add_eval(sub, data):
                    help="of the prepared corpus (default val: what training held out)")
     p.add_argument("--data_dir", default="data", help="where prepared token files are kept")
     p.add_argument("--text_field", default="text", help="a JSON line's text field")
-    p.add_argument("--val_fraction", type=float, default=0.1,
-                   help="the corpus's held-out share, as it was (or will be) prepared for "
-                   "training (default 0.1, train.py's)")
+    p.add_argument("--val_fraction", type=float, default=None,
+                   help="the corpus's held-out share (default: the run's, as its checkpoint "
+                   "records it; another is said: its val split then holds trained-on documents)")
     p.add_argument("--batch_size", type=data.positive_int, default=8, help="sequences a step")
     p.add_argument("--tp", type=data.positive_int, default=1, help="tensor-parallel degree")
     p.add_argument("--layout", default="auto", choices=("auto", *layouts.LAYOUTS),
@@ -283,8 +283,14 @@ def cli(argv):
         print(f"note: the prompt is {n_prompt} tokens, more than block_size {m.cfg.block_size}: "
               f"the model sees its last {m.cfg.block_size}", file=sys.stderr)
     torch.manual_seed(args.seed)
-    print(sample_text(m, enc, args.tokens, prompt=args.prompt, temperature=args.temperature,
-                            top_k=args.top_k or None))
+    # (a large model takes a while on a CPU: what runs is said first, on stderr; stdout: the text)
+    print(f"sample: {args.tokens} tokens from {args.model_file}, one forward of up to "
+          f"{m.cfg.block_size} tokens each...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    text = sample_text(m, enc, args.tokens, prompt=args.prompt, temperature=args.temperature,
+                       top_k=args.top_k or None)
+    print(f"sample: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,14 @@ def sequences(folder, split, tokens, block_size, vocab_size):
 
 def run(args, log):
     """interchange.py eval: {loss, perplexity, bits_per_byte, tokens, bytes}, printed by rank 0."""
-    preparation.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
     cfg, meta = train_state.verified(args.checkpoint)
+    held = meta.get("train_config", {}).get("val_fraction", 0.1)   # (what the run held out)
+    if args.val_fraction is None:
+        args.val_fraction = held
+    elif args.val_fraction != held and args.split == "val":
+        log(f"note: --val_fraction={args.val_fraction}, where the run held out {held}: this val "
+            f"split holds documents the run trained on (leave it out to evaluate on the run's)")
+    preparation.check_preparation(args.dataset, args.data_dir, 0, args.val_fraction)
     tokenizer = meta.get("tokenizer", "bytes")
     # (gone or changed: one line; eval reads the recorded path, it has no --tokenizer)
     train_state.check_tokenizer(args.checkpoint, meta, tokenizer, passable=False)

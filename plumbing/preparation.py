@@ -231,6 +231,7 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
     fp = fingerprint(dataset, val_fraction, text_field)
     if ready(out, fp):
         return out
+    made = not out.exists()   # (a folder this call makes goes again if nothing could be kept)
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / "prepare.lock", "a")
@@ -258,6 +259,8 @@ def prepare(dataset, tokenizer, data_dir, num_proc=0, val_fraction=0.1, text_fie
             meta = _write(dataset, tokenizer, out, tmp, workers, val_fraction, text_field, enc, log)
         except OSError as e:   # a full disk, most often: nothing half-written is left behind
             free = shutil.disk_usage(out).free / 1e6
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
             raise ValueError(f"cannot write the token files in {out} ({e.strerror or e}; "
                              f"{free:,.0f} MB free there); nothing was kept") from None
         finally:

@@ -198,8 +198,13 @@ def test_eval_command_gives_the_same_numbers_at_tp1_and_tp2(tmp_path, data_dir):
     import interchange
     code, out, err = command_out(interchange.cli, "eval", *args)
     assert code == 0, err
+    assert "note:" not in out   # (the run's val_fraction, by default)
     code, _, short = command_out(interchange.cli, "eval", *args[:3], "--tokens=1")
     assert code == 2 and "--tokens=1 is less than one sequence of block_size 32" in short, short
+    # another held-out share than the run's: its val split holds trained-on documents, said so
+    code, other, err = command_out(interchange.cli, "eval", ckpt, "--dataset=pydoc", "--tokens=64",
+                                   f"--data_dir={tmp_path / 'd3'}", "--val_fraction=0.3")
+    assert code == 0 and "note: --val_fraction=0.3, where the run held out 0.1" in other, err
     res = launch(2, [str(ROOT / "interchange.py"), "eval", *args, "--tp=2"], 300)
     line = lambda text: re.search(r"loss ([\d.]+), perplexity ([\d.]+), bits per byte ([\d.]+)", text)
     one, two = ([float(v) for v in line(text).groups()] for text in (out, res.stdout))

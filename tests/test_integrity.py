@@ -277,6 +277,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(capsys, monkeypatch, 
     with pytest.raises(ValueError, match="cannot write the token files in .* MB free there\\); nothing was kept"):
         preparation.prepare(data.EMBEDDED, "bytes", tmp_path / "d", num_proc=1, log=lambda *a: None)
     assert not list((tmp_path / "d").rglob("*.tmp")) and not list((tmp_path / "d").rglob("meta.json"))
+    assert list((tmp_path / "d").iterdir()) == []   # (the corpus's folder it made, gone again)
     monkeypatch.undo()
     out = tmp_path / "run"
     run_train(out, data_dir, "--max_iters=2", "--eval_interval=2")

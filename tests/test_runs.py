@@ -253,11 +253,17 @@ def test_sample_takes_a_prompt_a_temperature_and_top_k(one_checkpoint, tmp_path,
     ckpt = one_checkpoint / "checkpoints" / "iter_0000002"
     assert command(interchange.cli, "export", ckpt, tmp_path / "m.pt")[0] == 0
 
+    errs = []
+
     def sample(*args):
         capsys.readouterr()
         assert interchange.cli(["sample", str(tmp_path / "m.pt"), "20", *args]) is None
-        return capsys.readouterr().out
+        out, err = capsys.readouterr()
+        errs.append(err)
+        return out
     greedy = sample("--prompt=def main(", "--top_k=1", "--seed=1")
+    err = errs[0]   # (what runs is said first, not 68 s of silence; stdout: the text alone)
+    assert err.startswith("sample: 20 tokens from ") and re.search(r"sample: done in [\d.]+ s", err)
     assert greedy.startswith("def main(") and greedy == sample("--prompt=def main(", "--top_k=1", "--seed=2")
     hot = sample("--temperature=5", "--top_k=0", "--seed=3")
     assert hot == sample("--temperature=5", "--top_k=0", "--seed=3") != sample("--temperature=5", "--seed=4")
