@@ -151,3 +151,7 @@ def test_draw_pictures_come_from_what_the_code_records(tmp_path, monkeypatch):
     for name in ("layer.png", "traffic.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert command(draw.main, "traffic", "-o", tmp_path / "x.txt")[0] == 2
+    # the schedules' picture keys its four colours (it had none)
+    assert draw.draw_schedules(tmp_path / "schedules.png") == [
+        "F: forward", "B: backward (whole)", "I: backward, input half", "W: backward, weight half"]
+    assert (tmp_path / "schedules.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -157,6 +157,21 @@ def test_gpu_check_slots_fit_its_budget_and_say_what_builds_launchers(monkeypatc
 
 
 @pytest.mark.slow
+def test_bench_layouts_says_a_few_steps_are_noise(monkeypatch):
+    """At under 10 timed steps a variant the table says its times rank nothing (the workers'
+    timings stand in: test_readme_commands runs the real ones)."""
+    import bench
+
+    def measured(world, names, cfg, batch, iters):
+        return {n: {"ms": 1.0 + i, "tp_calls": 0, "tp_elements": 0, "tp_mb": 0.0, "saved_mb": 1.0}
+                for i, n in enumerate(names)}
+    monkeypatch.setattr(bench, "measure", measured)
+    tiny = ["--n_embd=32", "--n_layer=2", "--n_head=4", "--block_size=16", "--batch_size=2"]
+    assert "note: 2 timed step(s) a variant: the times below are noise" in \
+        bench.bench_layouts(2, tiny, [1])[0]
+    assert "noise" not in bench.bench_layouts(10, tiny, [1])[0]
+
+
 def test_bench_gpu_puts_colas_steps_first_and_skips_what_would_pass_the_deadline(monkeypatch):
     """gpu_check's bench: the step rows before the kernel rows, CoLA's eager and compiled first, the
     other archs eager; a row whose estimate (ROW_S) does not fit what is left is a line, not a row
@@ -226,6 +241,23 @@ def test_quality_bench_end_to_end_at_a_toy_size(tmp_path):
     assert out["flops"]["cola"] < out["flops"]["dense"]
     for row in out["summary"].values():
         assert row["dense_eq_tflops"][0] > 0 and row["dense_eq_tflops"][1] == 0.0
+
+
+def test_quality_figure_zooms_on_the_crossings():
+    """Two curves that overlap near the target: the wall-time panel's inset spans both crossings
+    and the curves' distance from the target there, so which crosses first shows; none: no inset."""
+    import bench_quality as q
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    fig, ax = plt.subplots()
+    curves = [([0, 10, 20, 30], [3.0, 2.0, 1.52, 1.40], "C0"),
+              ([0, 10, 20, 30], [3.0, 2.1, 1.55, 1.45], "C1")]
+    (x0, x1), (y0, y1) = q.zoom(ax, curves, [(19.0, "C0"), (21.0, "C1")], 1.5)
+    assert x0 < 19.0 and x1 > 21.0 and x1 - x0 < 10   # (the full axis spans 30)
+    assert y0 <= 1.45 and y1 >= 1.55 and y1 - y0 < 0.5   # (it spans 1.6)
+    assert len(ax.child_axes) == 1 and q.zoom(ax, curves, [], 1.5) is None
+    plt.close(fig)
 
 
 def test_quality_bench_tiers_and_bad_input(capsys, tmp_path):

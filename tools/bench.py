@@ -208,7 +208,9 @@ def bench_layouts(iters, extra, tps):
              f"heads={cfg.n_head}, "
              f"{tc.batch_size} x {cfg.block_size} tokens per step, fp32, one process per TP rank"
              + (" (tp=4 oversubscribes the 2 cores of this machine)" if 4 in tps
-                and os.cpu_count() < 4 else ""))
+                and os.cpu_count() < 4 else "")
+             + (f"\nnote: {iters} timed step(s) a variant: the times below are noise at this "
+                "count, rank no ablation on them (--iters=10 or more)" if iters < 10 else ""))
     return title + "\n\n" + table(["tp", "variant", "ms/step", "tokens/s", "TP collectives/step",
                                     "TP elements/step", "TP MB/step",
                                     "saved activations MB", "time vs cola/btp (or cola)"], rows) + \

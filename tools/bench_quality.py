@@ -5,19 +5,18 @@ RUNS (an arch under a layout at tp=2, its own learning rate and schedule) in fre
 processes under torchrun, on `--seeds` seeds (default 3), the runs interleaved seed by seed, and
 asks when each reaches a target validation loss: the baseline's (the first run, the dense model
 under Megatron TP) val loss at its last step (`--target_step`, default its max_iters), seed by
-seed, since a seed also draws its evaluation batches (the mean target is reported), or a number
-for every seed (`--target=1.70`). Validation is evaluated every `eval_every` steps on a fixed
-held-out budget; the crossing is placed by linear interpolation between the two evaluations
-around it.
-Per run: steps, tokens, model FLOPs and wall time to the target, each a mean and a 95% interval over
-seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured (the sum
-of train.py's synchronised step times up to the crossing, evaluation left out) and as steps × the
-run's median step time, so that the machine's noise shows. And the effective throughput: tokens/s ×
-the first run's FLOPs per token (the dense work the run stands for). A figure: val loss against wall
-time and against FLOPs, each run's seeds as a band around their mean, the target as a line, the
-crossings marked (`--figure=PATH`, default bench-results/quality.png). `--tier=gpu`: CoLA-60M's
-shape on one GPU (a config file among the options names another: the 130M's,
-configs/cola_130m.toml); `--sweep`: the recipes.
+seed, since a seed also draws its evaluation batches (the mean target is reported), or a number for
+every seed (`--target=1.70`). Validation is evaluated every `eval_every` steps on a fixed held-out
+budget; the crossing is placed by linear interpolation between the two evaluations around it. Per
+run: steps, tokens, model FLOPs and wall time to the target, each a mean and a 95% interval over
+seeds (Student's t), and the wall time's ratio to the baseline's. Wall time twice: measured (the
+sum of train.py's synchronised step times up to the crossing, evaluation left out) and as steps ×
+the run's median step time, so that the machine's noise shows. And the effective throughput:
+tokens/s × the first run's FLOPs per token (the dense work the run stands for). A figure: val loss
+against wall time and against FLOPs, each run's seeds as a band around their mean, the target as a
+line, the crossings marked and zoomed (`--figure=PATH`, default bench-results/quality.png).
+`--tier=gpu`: CoLA-60M's shape on one GPU (a config file among the options names another: the
+130M's, configs/cola_130m.toml); `--sweep`: the recipes.
 """
 import math
 import os
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the core files: 
 SHAPE = ["--n_layer=4", "--n_embd=256", "--n_head=8", "--block_size=128", "--batch_size=8",
          "--warmup_iters=30", "--eval_iters=4", "--tp=2"]
 STEPS = 500
+RESULTS = Path(__file__).resolve().parents[1] / "bench-results"   # (figures, kept sweep runs)
 EVAL_EVERY = 25
 # the GPU tier (--tier=gpu; one GPU: tp=1): CoLA-60M's shape (configs/cola_60m.toml), sequence 256,
 # 64 sequences a step (16K tokens), the dense model at lr 1e-3 for 2000 steps (33M tokens) against
@@ -207,6 +207,7 @@ def figure(trained, target, tokens_per_iter, flops, summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    walls, crossings = [], []   # (the wall-time panel's curves and crossings, zoomed below)
     for name, seeds in trained.items():
         steps = [s for s, _ in curve(seeds[0])]
         losses = [[dict(curve(rec)).get(s, float("nan")) for rec in seeds] for s in steps]
@@ -215,11 +216,14 @@ def figure(trained, target, tokens_per_iter, flops, summary, path):
                                  for s in steps]),
                       (axes[1], [s * tokens_per_iter * flops[name] for s in steps])):
             line, = ax.plot(x, mean, marker="o", ms=3, label=name)
+            if ax is axes[0]:
+                walls.append((x, mean, line.get_color()))
             ax.fill_between(x, [min(v) for v in losses], [max(v) for v in losses],
                             color=line.get_color(), alpha=0.2)
         row = summary[name]
         if "wall_s" in row:
             axes[0].plot([row["wall_s"][0]], [target], "x", color=line.get_color(), ms=10)
+            crossings.append((row["wall_s"][0], line.get_color()))
             axes[1].plot([row["flops"][0]], [target], "x", color=line.get_color(), ms=10)
     for ax, label in ((axes[0], "wall time, s (training steps, this machine)"),
                       (axes[1], "model FLOPs")):
@@ -227,12 +231,36 @@ def figure(trained, target, tokens_per_iter, flops, summary, path):
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss")
         ax.legend()
+    zoom(axes[0], walls, crossings, target)
     load = os.getloadavg()[0]   # (the machine and its load, on the figure that shows time)
     fig.suptitle(f"time to the target val loss, mean {target:.4f} (dashed); seeds as bands; "
                  f"{os.cpu_count()} CPUs, load {load:.1f} at the end", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def zoom(ax, curves, crossings, target):
+    """An inset of the wall-time panel around the crossings ((t, colour)), where the curves
+    overlap near the target and hide which crosses first: (its x limits, y limits), or None."""
+    if not crossings:
+        return None
+    lo, hi = min(t for t, _ in crossings), max(t for t, _ in crossings)
+    pad = max(hi - lo, 0.05 * hi, 1e-9)
+    xlim = (lo - pad, hi + pad)
+    near = [y for x, ys, _ in curves for xi, y in zip(x, ys) if xlim[0] <= xi <= xlim[1]]
+    spread = max([abs(y - target) for y in near] + [1e-3])
+    inset = ax.inset_axes([0.5, 0.45, 0.47, 0.4])
+    for x, ys, color in curves:
+        inset.plot(x, ys, marker="o", ms=3, color=color)
+    for t, color in crossings:
+        inset.plot([t], [target], "x", color=color, ms=10)
+    inset.axhline(target, color="gray", ls="--", lw=1)
+    inset.set(xlim=xlim, ylim=(target - spread, target + spread))
+    inset.tick_params(labelsize=6)
+    inset.set_title("the crossings, zoomed", fontsize=7)
+    ax.indicate_inset_zoom(inset, edgecolor="gray")
+    return xlim, inset.get_ylim()
 
 
 def plan(extra, runs, shape):
@@ -305,13 +333,11 @@ def bench(extra, runs=None, shape=None, eval_every=EVAL_EVERY, log=print):
                for rec in trained[first]]
     target = statistics.fmean(targets)
     summary = summarise(runs, trained, targets, tokens_per_iter, flops)
-    path = Path(opts.get("figure", Path(__file__).resolve().parents[1] / "bench-results" /
-                         "quality.png"))
+    path = Path(opts.get("figure") or RESULTS / "quality.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure(trained, target, tokens_per_iter, flops, summary, path)
     text = (f"Time to the first run's val loss at step {step}, each seed against its own "
-            f"(mean {target:.4f}; or --target), {seeds} seed(s), mean ± 95% interval; figure "
-            f"{path}\n\n" +
+            f"(mean {target:.4f}; or --target), {seeds} seed(s), mean ± 95%; figure {path}\n\n" +
             table(["run", "seeds reaching it", "steps", "tokens", "model FLOPs",
                    "wall s (measured)", "wall s (steps × median step)",
                    "dense-equivalent TFLOP/s", "wall time / first's"], rows_of(summary)))
@@ -323,9 +349,8 @@ def sweep(extra, log=print):
     """(markdown text, results) of the recipe sweep: each recipe of SWEEP whose name holds
     `--sweep=TEXT` (all for a bare --sweep) on `--seeds` seeds (default 1), at tp=1; per recipe its
     val loss at step `--target_step` (default STEPS) and at its end, and its steps to the target:
-    on each seed the val loss there of the best dense recipe (by its mean), or `--target=X`. Each
-    run's records are kept in `--keep_runs=DIR` (default bench-results/sweep/) and reused: a
-    stopped sweep goes on."""
+    on each seed the val loss there of the best dense recipe (by its mean), or `--target=X`;
+    runs are kept in `--keep_runs=DIR` (default bench-results/sweep/), for a stopped sweep."""
     opts = dict(a[2:].partition("=")[::2] for a in extra if a.startswith("--"))
     only, seeds = opts.get("sweep", ""), opts.get("seeds", "1")
     runs = {name: args for name, args in SWEEP.items() if only in name}
@@ -339,7 +364,7 @@ def sweep(extra, log=print):
         sys.exit(2)
     step = int(opts.get("target_step") or STEPS)
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
-    keep = opts.get("keep_runs") or Path(__file__).resolve().parents[1] / "bench-results" / "sweep"
+    keep = opts.get("keep_runs") or RESULTS / "sweep"
     with tempfile.TemporaryDirectory() as tmp:
         try:
             trained = train(runs, shape, int(seeds), EVAL_EVERY, tmp, log, keep)

@@ -123,6 +123,8 @@ def draw_layer(text, out):
 SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2),
              ("dualpipev", 2)]
 KIND_COLORS = {"F": "#2e86c1", "B": "#e67e22", "I": "#16a085", "W": "#27ae60"}
+KIND_NAMES = {"F": "F: forward", "B": "B: backward (whole)", "I": "I: backward, input half",
+              "W": "W: backward, weight half"}
 
 
 def draw_schedules(out, pp=4, n_micro=8):
@@ -152,9 +154,13 @@ def draw_schedules(out, pp=4, n_micro=8):
                         "stage's F 1/v of it, B twice F, I and W half of B; sends free); "
                         f"pp={pp}, {n_micro} micro-batches; sFm: stage s, micro-batch m",
                         fontsize=8)
+    from matplotlib.patches import Patch   # (the colours' key, above the first schedule)
+    axes[0].legend(handles=[Patch(color=c, label=KIND_NAMES[k]) for k, c in KIND_COLORS.items()],
+                   ncol=4, fontsize=7, loc="lower right", bbox_to_anchor=(1, 1.15))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    return [t.get_text() for t in axes[0].get_legend().get_texts()]
 
 
 def main(argv):
