@@ -115,7 +115,7 @@ V2 = ["--pp_virtual_stages=2"]
 def test_pipeline_schedules_train_like_one_process(tmp_path, data_dir, nproc, layout):
     """Each schedule's training run (several stages a rank) reproduces one process's losses."""
     options = [a for a in layout if a.split("=")[0] in ("--tie_embeddings", "--optimizer", "--lax", "--arch",
-                                                        "--gradient_accumulation_steps", "--muon_mode")]
+                                                        "--gradient_accumulation_steps")]   # (muon_mode: TP only)
     single = run_train(tmp_path / "one", data_dir, *PP_RUN, *options)
     torchrun(nproc, f"--out_dir={tmp_path / 'pp'}", f"--data_dir={data_dir}", *TINY, *PP_RUN, *layout)
     records = metrics(tmp_path / "pp")
