@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,11 @@ def offline(monkeypatch, tmp_path):
 
 
 def test_transformers_reads_every_architecture_with_the_projects_logits(folders):
+    """From the project's folder (on sys.path, as pytest puts it), with Hugging Face's `kernels`
+    package installed (transformers 5.25 imports it on load: a root kernels.py broke this)."""
+    import kernels
+    assert "site-packages" in Path(kernels.__file__).parts, kernels.__file__   # (not ours)
+    assert str(ROOT) in map(os.path.abspath, sys.path)
     from transformers import AutoModelForCausalLM
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     for name, (model, folder) in folders.items():
