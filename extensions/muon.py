@@ -29,7 +29,7 @@ device's Muon (tests/test_muon.py); their collectives go to the ledger with the 
 (per_layer_traffic: their elements in layouts.py's terms). Under --dp_shard (FSDP2 holds
 each TP-local matrix cut along its rows over dp) the momentum runs on each rank's rows, every
 update is all-gathered over dp in one call first (dp_shard.gathered_rows), and each rank applies
-its own rows. The Newton-Schulz arithmetic runs in bf16 on a GPU and fp32 on a CPU.
+its own rows. Newton-Schulz runs in bf16 on a GPU, fp32 on a CPU; updates travel in that dtype.
 """
 import math
 import re
@@ -178,9 +178,9 @@ class MuonAdamW(torch.optim.AdamW):
                 x = piece.block(updates[p])
                 if piece.mode == "gram":   # oriented (small, large): the cut runs along columns
                     gram.append(((p, piece.start), piece, x.t() if piece.dim == 0 else x))
-                else:
+                else:   # sent (gather, owner) in the dtype Newton-Schulz casts them to anyway
                     {"gather": gather, "owner": owned, "whole": whole}[piece.mode].append(
-                        ((p, piece.start), piece, x))
+                        ((p, piece.start), piece, x.to(group["ns_dtype"])))
         tp = group["tp"]
         fulls = [x for *_, x in whole]
         if gather:

@@ -261,3 +261,36 @@ def test_collectives_a_step_do_not_grow_with_the_layers():
     import bench_optim
     assert bench_optim.counts() == [["paper_1b", "gram", 14 * 24, 6, 6], ["paper_1b", "gather", 14 * 24, 14 * 24, 1],
                                     ["paper_7b", "gram", 14 * 32, 6, 6], ["paper_7b", "gather", 14 * 32, 14 * 32, 1]]
+
+
+def _bf16_worker(tp_rank, world):
+    """One step at tp=2 with Newton-Schulz in bf16 (a GPU's): the gathered and owned updates
+    travel in bf16 (2 bytes an element in the ledger), and the parameters match one device's
+    Muon in bf16."""
+    mesh = placement.init_mesh(1, world, "cpu", 120)
+    handle = parallel.TPGroup(mesh.get_group("tp"), mesh.get_local_rank("tp"), world)
+    parallel.LEDGER.name(mesh.get_group("tp"), "tp")
+    for arch, layout, prefer in [("cola", "btp", "gather"), ("full", "megatron", "owner")]:
+        torch.manual_seed(0)
+        ref = Llama(small(arch, lax=False))
+        tp_model = TPLlama(copy.deepcopy(ref), handle, layout)
+        opts = muon.configure(ref, tc_of()), muon.configure(tp_model, tc_of(), prefer)
+        for o in opts:
+            for g in o.param_groups:
+                g["ns_dtype"] = torch.bfloat16
+        idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+        for m, o in zip((ref, tp_model), opts):
+            m(idx, idx)[1].backward()
+            parallel.LEDGER.reset()
+            o.step()
+        sent = parallel.LEDGER.total("tp", "optim")
+        assert sent > 0 and parallel.LEDGER.total("tp", "optim", unit="bytes") == 2 * sent
+        full = tp_model.gather_full({n: p.detach() for n, p in tp_model.named_parameters()})
+        for name, p in ref.named_parameters():   # (a few bf16 ulps of an update of 0.05)
+            torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=1e-3,
+                                       msg=lambda m: f"{arch}/{prefer} {name}: {m}")
+    dist.barrier()
+
+
+def test_gathered_and_owned_updates_travel_in_newton_schulz_dtype():
+    spawn(2, _bf16_worker)
