@@ -155,12 +155,22 @@ def clip_grad_norm(model, max_norm, pp_group=None):
     return norm
 
 
-def all_reduce_grads(model, dp_group):
-    """The data-parallel mean of the gradients, where DDP is not used (under pipelining)."""
+def all_reduce_grads(model, dp_group, bucket_bytes=64 << 20):
+    """The data-parallel mean of the gradients, where DDP is not used (under pipelining): flattened
+    into buckets of at most bucket_bytes (a gradient larger than that alone), one all-reduce each,
+    as DDP's reducer buckets them, not one a parameter."""
     size = dist.get_world_size(dp_group)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad = all_reduce(p.grad, dp_group, "grad").div_(size)
+    buckets, nbytes = [[]], 0
+    for g in (p.grad for p in model.parameters() if p.grad is not None):
+        if buckets[-1] and (g.dtype != buckets[-1][0].dtype or
+                            nbytes + g.numel() * g.element_size() > bucket_bytes):
+            buckets, nbytes = buckets + [[]], 0
+        buckets[-1].append(g)
+        nbytes += g.numel() * g.element_size()
+    for grads in filter(None, buckets):
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), dp_group, "grad")   # (n,)
+        for g, part in zip(grads, flat.div_(size).split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def reduce_tied_grad(model, pp_group=None):

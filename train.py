@@ -160,7 +160,7 @@ class Run:
             torch.autocast(place.device.split(":")[0], dtype=getattr(torch, self.dtype))
         self.nonfinite = torch.tensor(-1, device=place.device)  # the first non-finite iteration
         self.tokenizer_id = tokenizer_identity(tc.tokenizer)   # (what the data was prepared with)
-        if tc.compile and not tc.pp > 1:
+        if tc.compile:   # (plan.py refuses it with a pipeline)
             log("torch.compile: the first steps compile the model, which takes minutes on a CPU")
         self.model, self.pipe = placement.wrap(raw_model, tc, place, self.micro_steps,
                                                warm=self.time_kernels)

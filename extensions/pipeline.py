@@ -103,6 +103,10 @@ class Pipeline:
                       for k in held]
         for v, k in zip(views, held):
             v.register_forward_hook(self._keep_shapes(k))
+        # FSDP2 (--dp_shard) under several stages a rank: torch's stages see StageViews, not the
+        # FSDP module, and would reduce-scatter after every micro-batch; held to the last, below
+        from torch.distributed.fsdp import FSDPModule
+        self.fsdp = model if len(held) > 1 and isinstance(model, FSDPModule) else None
 
     def _keep_shapes(self, k):
         """A hook keeping stage k's input and output of one micro-batch (what crosses its
@@ -151,7 +155,11 @@ class Pipeline:
         losses = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
+        if train and self.fsdp is not None:
+            hold_gradient_sync(self.fsdp, True)
         (self.schedule.step if train else self.evaluator.eval)(*args, **kwargs)
+        if train and self.fsdp is not None:
+            hold_gradient_sync(self.fsdp, False)
         # (the schedule may run an extra forward to infer shapes: not counted)
         for k, fwd, bwd in self.sends:
             x_in, out = self.shapes[k]
@@ -165,3 +173,20 @@ class Pipeline:
             torch.zeros((), device=x.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage holds it
         return loss   # on the device: train.py reads it at log steps
+
+
+def hold_gradient_sync(model, hold):
+    """FSDP2's flags as torch's PipelineStage sets them for a stage that is an FSDP module: while
+    held, backward accumulates unsharded gradients and keeps the parameters gathered; released,
+    every FSDP group of the model reduce-scatters its gradients once (the step's only one) and
+    reshards, as torch's stage does at its REDUCE_GRAD action."""
+    from torch.distributed.fsdp import fully_shard
+    model.set_is_last_backward(not hold)
+    model.set_reshard_after_backward(not hold)
+    model.set_requires_gradient_sync(not hold)
+    if not hold:
+        state = fully_shard.state(model)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()

@@ -107,6 +107,9 @@ def check_pipeline(cfg, tc, n_micro, dp):
     more = f"raise gradient_accumulation_steps (the micro-batches times dp={dp})"
     if pp == 1:
         raise ValueError(f"--pp_virtual_stages={v} cuts the pipeline's stages: it needs pp > 1")
+    if tc.compile:   # (torch.distributed.pipelining calls the stages itself, uncompiled)
+        raise ValueError("compile=true does not reach a pipeline's stages (its schedule runs them "
+                         "eager): leave --compile off with --pp > 1")
     if tc.pp_schedule in pipeline.SINGLE and v > 1:
         raise ValueError(f"{sched} runs one stage a rank: --pp_virtual_stages={v} needs "
                          "interleaved_1f1b, zero_bubble, zbv or dualpipev")

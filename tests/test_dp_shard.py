@@ -132,15 +132,19 @@ def _pipeline_worker(rank, world):
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     cases = [("cola", "btp", r) for r in RECOMPUTE] + [("cola", "vanilla", r) for r in RECOMPUTE] + \
         [("full", "megatron", r) for r in ("none", "layer")]
-    for i, ((arch, layout, recompute), mode) in enumerate((c, m) for c in cases for m in ("grad", "full")):
-        tied, schedule = i % 3 == 0, ("1f1b", "gpipe")[i % 2]
+    runs = [(c, m, ("1f1b", "gpipe")[i % 2]) for i, (c, m) in enumerate((c, m) for c in cases for m in ("grad", "full"))]
+    # two stages a rank: torch sees StageViews, not the FSDP module; still one reduce-scatter a step
+    runs += [(("cola", "btp", "lowrank"), m, "interleaved_1f1b") for m in ("grad", "full")]
+    for i, ((arch, layout, recompute), mode, schedule) in enumerate(runs):
+        tied = i % 3 == 0
         where = f"{arch}/{layout} recompute={recompute} dp_shard={mode} tied={tied} {schedule} dp2 x pp2"
         torch.manual_seed(0)
         ref = Llama(small_cfg(arch, n_layer=4, tie_embeddings=tied))
         idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
         loss = ref(idx, idx)[1]
         loss.backward()
-        stage = TPLlama(ref, tp, layout, stage=pp_rank, stages=2, recompute=recompute)
+        held = pipeline.stages_of(pp_rank, 2, 2 if schedule == "interleaved_1f1b" else 1, schedule)
+        stage = TPLlama(ref, tp, layout, stage=held, stages=2 * len(held), recompute=recompute)
         dp_shard.apply(stage, mesh["dp"], mode, "float32", parallel.LEDGER)
         pipe = pipeline.Pipeline(stage, mesh, 2, schedule, "cpu")
         parallel.LEDGER.reset()

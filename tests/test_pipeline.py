@@ -53,6 +53,8 @@ def _pipeline_worker(rank, world, meshes, cases=CASES):
             parallel.LEDGER.reset()
             pipe_loss = pipe.run(idx[share], tgt[share]).clone()
             sharding.all_reduce_grads(stage, mesh.get_group("dp"))
+            # (in buckets: one all-reduce for these few gradients, not one a parameter)
+            assert parallel.LEDGER.total("dp", "grad", unit="calls") == (dp > 1), where
             sharding.reduce_tied_grad(stage, mesh.get_group("pp"))
             dist.all_reduce(pipe_loss, group=mesh.get_group("dp"))
             torch.testing.assert_close(pipe_loss / dp, loss.detach(), msg=lambda m: f"{where} loss: {m}")

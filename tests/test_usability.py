@@ -229,10 +229,12 @@ def test_the_named_tokenizers_export_as_hugging_face_files(tmp_path, name):
 @pytest.mark.parametrize("argv, fragment", [
     (["--pp_schedule=zbv"], "--pp_schedule=zbv schedules a pipeline: it needs --pp > 1"),
     (["--pp_schedule=dualpipev", "--tp=2"], "--pp_schedule=dualpipev schedules a pipeline"),
-    (["--pp=2", "--gradient_accumulation_steps=2", "--inject_fault=nan:5"], "not with --pp > 1")])
+    (["--pp=2", "--gradient_accumulation_steps=2", "--inject_fault=nan:5"], "not with --pp > 1"),
+    (["--pp=2", "--gradient_accumulation_steps=2", "--compile=true"], "leave --compile off with --pp > 1")])
 def test_a_pipeline_option_without_its_pipeline_is_refused_before_work(argv, fragment):
     """A schedule with no pipeline (it built two stages on one rank and crashed at the first
-    evaluation), and a NaN fault a pipeline would never inject: one line, before any work."""
+    evaluation), a NaN fault a pipeline would never inject, and compile, which a pipeline's stages
+    never ran (they trained eager, silently): one line, before any work."""
     cfg, tc = options.parse_args([*TINY, *argv])
     world = tc.tp * tc.pp
     with pytest.raises(ValueError, match=re.escape(fragment)):
