@@ -26,7 +26,7 @@ import torch.distributed as dist
 import sharding
 from model import estimate_mfu
 from parallel import LEDGER
-from extensions import dp_shard, kernel_choice, muon
+from extensions import cuda_graph, dp_shard, kernel_choice, muon
 from plumbing import data, faults, options, placement, preparation, rundir, train_state
 from plumbing.plan import resolve, say_schedule_change
 from plumbing.tokenizer import identity as tokenizer_identity, sample_at_end
@@ -163,21 +163,12 @@ class Run:
         if tc.compile:   # (plan.py refuses it with a pipeline)
             log("torch.compile: the first steps compile the model, which takes minutes on a CPU")
         self.model, self.pipe = placement.wrap(raw_model, tc, place, self.micro_steps,
-                                               warm=self.time_kernels)
+                                               warm=lambda: kernel_choice.time_shapes(self))
         self.pp_group = place.group("pp") if self.pipe else None
         last_rank = int(os.environ.get("RANK", "0")) == place.world - 1
         self.faults = faults.Faults(tc, last_rank)
-
-    def time_kernels(self):
-        """--kernels=auto under compile: one eager forward and backward first, so that every shape
-        is timed and chosen before tracing (which only reads the choices), then forgotten."""
-        x, y = next(self.shares("train", "train", 0))   # (drawn by (seed, stream, step))
-        cuda = self.place.device.startswith("cuda")
-        with torch.random.fork_rng(devices=[self.place.device] if cuda else []):
-            with self.autocast:
-                loss = self.raw_model(x, y)[1]
-            loss.backward()
-        self.raw_model.zero_grad(set_to_none=True)
+        self.captured = tc.cuda_graph and cuda_graph.Captured(lambda b, at: step(self, b, at),
+                                                              optimizer, place.device)
 
     @torch.no_grad()
     def shares(self, split, stream, step):
@@ -265,21 +256,30 @@ def save_checkpoint(run, iter_num, crash=None):
 def train_step(run, iter_num):
     """Forward and backward of the global batch (the pipeline schedule, or gradient accumulation
     over this rank's micro-batches, DDP averaging at the last), clipping, the optimizer step; the
-    loss."""
+    loss. Under --cuda_graph one replayed graph does it all (extensions/cuda_graph.py)."""
+    batches = None if run.pipe else run.shares("train", "train", iter_num)
+    if run.captured:
+        return run.captured.step(batches, iter_num)
+    return step(run, batches, iter_num)
+
+
+def step(run, batches, at):
+    """train_step's work at iteration `at` (an int, or a device tensor a graph reads); what
+    outlives it is written in place."""
     loss_sum = torch.zeros((), device=run.place.device)   # on the device: log_step reads it
     if run.pipe:   # the schedule runs this rank's micro-batches through the stages, both ways
         with run.autocast:
-            loss_sum = run.pipe.run(*run.whole("train", "train", iter_num))
+            loss_sum = run.pipe.run(*run.whole("train", "train", at))
         if run.tc.dp_shard == "none":   # (dp_shard: FSDP2 reduce-scatters at the last micro-batch)
             sharding.all_reduce_grads(run.raw_model, run.place.group("dp"))
     else:
         sharded = run.tc.dp_shard != "none"
-        for micro, (x, y) in enumerate(run.shares("train", "train", iter_num)):
+        for micro, (x, y) in enumerate(batches):
             sync = micro == run.micro_steps - 1 or run.place.dp == 1   # DDP: at the last only
             if sharded:   # FSDP2 reduce-scatters at the last only
                 run.model.set_requires_gradient_sync(sync)
             with (nullcontext() if sync or sharded else run.model.no_sync()), run.autocast:
-                loss = run.faults.poison(run.model(x, y)[1] / run.micro_steps, iter_num)
+                loss = run.faults.poison(run.model(x, y)[1] / run.micro_steps, at)
             loss.backward()
             loss_sum += loss.detach().float()
     sharding.reduce_tied_grad(run.raw_model, run.pp_group)
@@ -287,7 +287,7 @@ def train_step(run, iter_num):
     grad_norm = sharding.clip_grad_norm(run.raw_model, clip, run.pp_group)
     bad = ~torch.isfinite(grad_norm)   # the same on every rank; no host sync:
     run.optimizer.found_inf = bad.float()   # the fused AdamW skips this update where it is 1
-    run.nonfinite = torch.where(bad & (run.nonfinite < 0), iter_num, run.nonfinite)
+    run.nonfinite.copy_(torch.where(bad & (run.nonfinite < 0), at, run.nonfinite))
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.grad_norm = grad_norm   # (on the device, before clipping: log_step reads it)
@@ -335,7 +335,7 @@ def loop(run, iter_num, flops_per_token, interrupt):
     while True:
         lr = get_lr(iter_num, tc)
         for group in run.optimizer.param_groups:   # (Muon's: its own peak, scaled alike)
-            group["lr"] = lr * group.get("lr_ratio", 1.0)
+            cuda_graph.set_lr(group, lr * group.get("lr_ratio", 1.0))
         record = {}
         # evaluate (not again at the iteration a resumed run starts from: it was saved there)
         due = iter_num % tc.eval_interval == 0 or iter_num == tc.max_iters

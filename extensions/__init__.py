@@ -12,4 +12,5 @@ it, and train.py (through plumbing/placement.py), the tools and the tests import
                  their autograd (registers itself as local_ops.py's Triton side)
   kernel_choice  --kernels=auto: each op and shape timed both ways, agreed across ranks
   schedule_sim   a pipeline schedule's actions and timeline, built without processes
+  cuda_graph     --cuda_graph=true: the training step captured as one CUDA graph, replayed
 """

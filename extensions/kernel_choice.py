@@ -84,3 +84,16 @@ def _time(fn, args, name, runs=3):
                 total[0] += (t1 - t0) * 1000 / runs
                 total[1] += (time.perf_counter() - t1) * 1000 / runs
         return tuple(total)
+
+
+def time_shapes(run):
+    """--kernels=auto under compile: one eager forward and backward of train.py's `run` first, so
+    that every shape is timed and chosen before tracing (which only reads the choices), then
+    forgotten (its gradients, and the random numbers it drew)."""
+    x, y = next(run.shares("train", "train", 0))   # (drawn by (seed, stream, step))
+    cuda = run.place.device.startswith("cuda")
+    with torch.random.fork_rng(devices=[run.place.device] if cuda else []):
+        with run.autocast:
+            loss = run.raw_model(x, y)[1]
+        loss.backward()
+    run.raw_model.zero_grad(set_to_none=True)

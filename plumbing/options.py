@@ -1,5 +1,4 @@
-"""options.py: train.py's options: their defaults, the --key=value parser, and every check made
-before any work.
+"""options.py: train.py's options: their defaults, the --key=value parser, every check before work.
 
 Not in the BOOST paper (arXiv 2512.12131). The model's options are model.Config's fields, the rest
 TrainConfig's; names follow nanoGPT. A wrong name (with the closest ones suggested), a value of the
@@ -96,6 +95,7 @@ class TrainConfig:
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16
     compile: bool = False
+    cuda_graph: bool = False  # the step captured as one CUDA graph (extensions/cuda_graph.py)
     seed: int = 1337
     peak_tflops: float = 0.0       # your device's peak, for MFU; 0: report TFLOP/s only
     sample_tokens: int = 100       # generated at the end (no KV cache: each reruns the context)
@@ -221,8 +221,8 @@ def read_config_file(path, known):
 
 # options of one launch, never taken from the record of the run a launch resumes
 PER_LAUNCH = {"out_dir", "init_from", "overwrite", "device", "dtype", "dp", "tp", "pp", "layout",
-              "pp_schedule", "pp_virtual_stages",
-              "dp_shard", "overlap", "compile", "kernels", "profile", "explain", "inject_fault",
+              "pp_schedule", "pp_virtual_stages", "dp_shard", "overlap", "compile", "cuda_graph",
+              "kernels", "profile", "explain", "inject_fault",
               "num_proc", "data_dir",
               "timeout_s", "keep_checkpoints", "peak_tflops", "sample_tokens", "threads"}
 # a resume says when these change

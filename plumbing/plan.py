@@ -13,7 +13,7 @@ import torch
 
 from recompute import check_recompute
 import layouts
-from extensions import pipeline
+from extensions import cuda_graph, pipeline
 from model import Config
 from plumbing import options, rundir, train_state
 from plumbing.options import TrainConfig
@@ -77,6 +77,8 @@ def make(cfg, tc, world):
         check_dp_shard(tc, dp)
     check_recompute(cfg, tc.recompute)
     device = resolve_device(tc.device)
+    if tc.cuda_graph and cuda_graph.refusal(tc, device, dp):
+        raise ValueError(cuda_graph.refusal(tc, device, dp))
     return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
 
 
