@@ -202,9 +202,12 @@ def test_bench_gpu_shapes_and_plumbing_on_cpu(tmp_path):
     assert bench_gpu.kernel_cases(bench_gpu.shapes()["7b"])[0][2] == [(16384, 1024), (1024,), (3072, 1024)]
     r = bench_gpu.measure_op("norm_down", [(64, 16), (16,), (24, 16)], 2 * 64 * 24 * 16, "torch", "cpu", torch.float32, 2)
     assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["tflops_fwd"] > 0 and r["vs_matmul"] > 0
-    step = bench_gpu.train_step(Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=16, vocab_size=64),
-                                "cpu", False, runs=1)
-    assert step["tokens_per_s"] > 0
+    from test_cuda_graph import StandIn
+    cfg = Config(arch="cola", n_layer=1, n_embd=32, n_head=4, block_size=16, vocab_size=64)
+    for mode in ("eager", "captured"):   # (captured: a CPU stand-in for the graph)
+        step = bench_gpu.train_step(cfg, "cpu", mode, runs=1, graph=StandIn())
+        assert step["tokens_per_s"] > 0 and step["estimate_gb"] > 0
+    assert bench_gpu.head_ms(cfg, "cpu", 16, runs=1) > 0
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "gpu", f"--json_dir={tmp_path}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 2 and res.stderr.strip() == "error: bench.py gpu needs a CUDA GPU (this machine has none)"

@@ -87,6 +87,11 @@ def test_gpu_check_step_runner_keeps_what_a_timed_out_step_printed():
     status, result = gpu_check.run_step([sys.executable, "-c", hang], 3, seen.append)
     assert status == "timed out" and result is None and seen == ["  first result"]
     assert __import__("time").time() - t0 < 20
+    seen.clear()   # a burst read in one chunk, then a hang: every line of it is logged, none held
+    burst = "import sys, time; sys.stdout.write(''.join(f'line {i}\\n' for i in range(500))); " \
+            "sys.stdout.flush(); time.sleep(60)"
+    assert gpu_check.run_step([sys.executable, "-c", burst], 3, seen.append)[0] == "timed out"
+    assert seen == [f"  line {i}" for i in range(500)], seen[-3:]
     done = "print('RESULT {\"failed\": 1}')"
     assert gpu_check.run_step([sys.executable, "-c", done], 30, seen.append) == ("failed", {"failed": 1})
     assert gpu_check.run_step([sys.executable, "-c", "raise SystemExit(3)"], 30, seen.append)[0] == "failed"
@@ -173,27 +178,32 @@ def test_bench_layouts_says_a_few_steps_are_noise(monkeypatch):
 
 
 def test_bench_gpu_puts_colas_steps_first_and_skips_what_would_pass_the_deadline(monkeypatch):
-    """gpu_check's bench: the step rows before the kernel rows, CoLA's eager and compiled first, the
-    other archs eager; a row whose estimate (ROW_S) does not fit what is left is a line, not a row
-    cut off (the measurements stood in for: they need CUDA)."""
+    """gpu_check's bench: CoLA's and the dense model's step rows (eager, compiled, captured) first,
+    then the kernel rows, then svd's and d_ff 5461's eager rows; a row whose estimate (ROW_S) does
+    not fit what is left is a line, not a row cut off (the measurements stood in for: they need
+    CUDA)."""
     import time
     import bench_gpu
     rows, widths = [], []
     monkeypatch.setattr(bench_gpu, "matmul_peak", lambda device: 100.0)
     monkeypatch.setattr(bench_gpu, "head_ms", lambda cfg, device, tokens: 1.0)
-    monkeypatch.setattr(bench_gpu, "train_step", lambda cfg, device, compile_: (
-        rows.append(f"{cfg.arch} {compile_}"), widths.append(cfg.mlp_width),
-        {"ms": 2.0, "tokens_per_s": 1.0, "peak_gb": 0.0})[2])
+    monkeypatch.setattr(bench_gpu, "train_step", lambda cfg, device, mode: (
+        rows.append(f"{cfg.arch} {mode}"), widths.append(cfg.mlp_width),
+        {"ms": 2.0, "tokens_per_s": 1.0, "peak_gb": 0.0, "estimate_gb": 0.0})[2])
     monkeypatch.setattr(bench_gpu, "measure_op", lambda op, shapes, flops, impl, device, dtype: (
         rows.append(f"kernel {op}"), {"fwd_ms": 1.0, "fwd_bwd_ms": 2.0})[1])
-    text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 1000, compiled=("cola",), steps_first=True)
+    text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 1000, compiled=("cola", "full"),
+                            steps_first=True)
     steps = [r for r in rows if not r.startswith("kernel")]
-    assert steps == ["cola False", "cola True", "full False", "svd False", "cola False", "cola False"], rows
-    assert rows.index("svd False") < rows.index("kernel norm_down")
+    assert steps == ["cola eager", "cola compiled", "cola captured", "full eager", "full compiled",
+                     "full captured", "svd eager", "cola eager", "cola eager"], rows
+    assert rows.index("full captured") < rows.index("kernel norm_down") < rows.index("svd eager")
     assert widths[-2:] == [5461, 5464]   # CoLA-1B's d_ff, and rounded by --mlp_multiple_of=8
+    assert "MFU denominators: measured 100 TFLOP/s, nominal ? TFLOP/s (cpu)" in text
     rows.clear()
     text, _ = bench_gpu.run("cpu", n_layer=1, deadline=time.time() + 50, compiled=("cola",), steps_first=True)
-    assert "cola True" not in rows and "cola False" in rows and "skipped cola compiled step: " in text
+    assert "cola compiled" not in rows and "cola eager" in rows and "skipped cola compiled step: " in text
+    assert bench_gpu.nominal_peak("NVIDIA H100 80GB HBM3") == 989.0
 
 
 def test_quality_bench_places_the_crossing_and_its_interval():

@@ -104,38 +104,57 @@ def matmul_peak(device, dtype=torch.bfloat16, n=8192):
     return 2 * n ** 3 / timed(lambda: a @ b, device) / 1e9
 
 
-def train_step(cfg, device, compile_, batch=1, runs=5):
-    """{tokens_per_s, ms, mfu_flops, peak_gb} of one training step of Llama(cfg) on one GPU."""
+MODES = ("eager", "compiled", "captured")   # captured: --cuda_graph's one graph a step
+
+
+def train_step(cfg, device, mode, batch=1, runs=5, graph=None):
+    """{tokens_per_s, ms, peak_gb, estimate_gb} of one training step of Llama(cfg) on one GPU,
+    eager, compiled (torch.compile) or captured (extensions/cuda_graph.py, as --cuda_graph runs
+    it; `graph`: its stand-in on a CPU); estimate_gb: placement.footprint's for this step."""
+    from extensions import cuda_graph
     from plumbing import options, placement
     from plumbing.plan import Plan
     # built as train.py builds it: the BTP layer with a TP group of one
-    tc = options.TrainConfig(seed=0)
+    tc = options.TrainConfig(seed=0, batch_size=batch)
     layout = "btp" if cfg.lowrank else "megatron"
     plan = Plan(cfg, tc, 1, 1, layout, str(device), "bfloat16")
-    model = placement.build_model(plan, placement.Placement(1, 1, str(device)))[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=str(device).startswith("cuda"))
-    run = torch.compile(model) if compile_ else model
+    place = placement.Placement(1, 1, str(device))
+    model, n_params, _ = placement.build_model(plan, place)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    net = torch.compile(model) if mode == "compiled" else model
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), device=device)
 
-    def step():
+    def body(batches, at=0):
+        (x, y), = batches
         with torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16):
-            loss = run(idx, idx)[1]
+            loss = net(x, y)[1]
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    for _ in range(2):   # warm-up (and compile)
+        return loss.detach()
+    if mode == "captured":
+        captured = cuda_graph.Captured(body, opt, str(device), graph)
+        step = lambda: captured.step([(idx, idx)], 0)   # noqa: E731
+    else:
+        step = lambda: body([(idx, idx)])   # noqa: E731
+    for _ in range(cuda_graph.WARMUP + 1 if mode == "captured" else 2):   # (warm, compile, capture)
         step()
     if str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     ms = timed(step, device, runs)
     peak = torch.cuda.max_memory_allocated() / 1e9 if str(device).startswith("cuda") else 0.0
-    return {"ms": ms, "tokens_per_s": batch * cfg.block_size / ms * 1000, "peak_gb": peak}
+    estimate = sum(placement.footprint(cfg, tc, n_params, plan, "bfloat16")[0].values()) / 1e9
+    return {"ms": ms, "tokens_per_s": batch * cfg.block_size / ms * 1000, "peak_gb": peak,
+            "estimate_gb": estimate}
 
 
 def head_ms(cfg, device, tokens, runs=5):
-    """ms of the head alone (final RMSNorm, the (V, d) matmul, cross-entropy; forward and backward,
-    bf16 autocast) at this many tokens: what the step rows take out to give the layers' time."""
-    import torch.nn.functional as F
+    """ms of the head alone as the model computes it (tp_model.TPLlama at a TP group of one): the
+    final RMSNorm (local_ops), the (V, d) matmul, the chunked vocabulary-parallel cross-entropy;
+    forward and backward, bf16 autocast, at this many tokens: what the step rows take out to give
+    the layers' time."""
+    import local_ops
+    from parallel import VocabParallelCrossEntropy
     x = torch.randn(tokens, cfg.n_embd, device=device, requires_grad=True)
     w = torch.randn(cfg.vocab_size, cfg.n_embd, device=device, requires_grad=True)
     gain = torch.ones(cfg.n_embd, device=device, requires_grad=True)
@@ -143,10 +162,28 @@ def head_ms(cfg, device, tokens, runs=5):
 
     def step():
         with torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16):
-            h = F.rms_norm(x, (cfg.n_embd,), gain, cfg.norm_eps)
-            loss = F.cross_entropy((h @ w.t()).float(), y)
+            h = local_ops.rms_norm(x, gain, cfg.norm_eps)             # (N, d)
+            loss = VocabParallelCrossEntropy.apply(h @ w.t(), y, None).mean()
         loss.backward()
     return timed(step, device, runs)
+
+
+# the vendors' dense bf16 peaks, TFLOP/s (no sparsity): MFU's nominal denominator, beside the
+# measured matmul's (H100 SXM: the measured one is about 1.25x lower)
+NOMINAL = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def nominal_peak(name):
+    return next((v for k, v in NOMINAL.items() if k in name), None)
+
+
+def dynamo_counts():
+    """torch.compile's graphs, graph breaks and recompiles so far (torch._dynamo's counters)."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+            "recompiles": counters["recompiles"].get("total", 0) if "recompiles" in counters
+            else 0}
 
 
 def fresh_peak(device):
@@ -161,7 +198,7 @@ def fresh_peak(device):
 # what a row may take on a cold cache, seconds (estimates for one H100/H200: CUDA and Triton warm
 # from the earlier steps, a compiled row inductor's cold compile of a few layers): a row that would
 # pass the deadline is skipped with a line instead of being cut off mid-way
-ROW_S = {"kernel": 5, "eager": 15, "compiled": 90}
+ROW_S = {"kernel": 5, "eager": 15, "compiled": 90, "captured": 20}
 
 
 def fits(kind, deadline, emit, what):
@@ -196,49 +233,65 @@ def kernel_rows(device, dtype, emit, deadline=None):
                  f"{r['torch']['bwd_ms'] / r['triton']['bwd_ms']:.2f} |", row)
 
 
-def step_rows(device, n_layer, peak, emit, deadline=None, compiled=("cola", "full", "svd")):
+def step_rows(device, n_layer, peak, emit, deadline=None, compiled=("cola", "full", "svd"),
+              captured=("cola", "full"), only=None):
     """One training step of the 1B shape at n_layer layers, each arch (CoLA first: the rows that
-    matter), eager and, for the archs in `compiled`, compiled; the layers' time is the step's less
-    the head's (measured alone): at few layers the tied head is most of CoLA's matmul weights."""
+    matter), eager; compiled for the archs in `compiled` (with dynamo's graph, break and recompile
+    counts), captured as one CUDA graph for those in `captured`. The layers' time is the step's
+    less the head's (measured alone, as the model computes it). MFU against the measured matmul
+    peak and the vendor's nominal one; the peak memory beside placement.footprint's estimate.
+    `only`: the variants (arch names) to run, None for all."""
     from model import Llama
     base = shapes()["1b"]
     cfg0 = type(base)(**{**base.shape(), "vocab_size": 32000})
     head = head_ms(cfg0, device, cfg0.block_size)
+    name = torch.cuda.get_device_name() if str(device).startswith("cuda") else str(device)
+    nominal = nominal_peak(name)
     emit(f"One training step of the 1B shape with {n_layer} layers, 1 × {cfg0.block_size} tokens, "
-         f"bf16, one GPU; the head alone (norm, {cfg0.vocab_size}-way matmul, cross-entropy, "
-         f"forward and backward): {head:.1f} ms", {"head_ms": head})
-    emit("| arch | compile | ms | layers ms (less the head) | tokens/s | MFU | peak GB |")
-    emit("|---|---|---|---|---|---|---|")
+         f"bf16, one GPU; the head alone (norm, {cfg0.vocab_size}-way matmul, chunked vocab-"
+         f"parallel cross-entropy, forward and backward): {head:.1f} ms. MFU denominators: "
+         f"measured {peak:.0f} TFLOP/s, nominal {nominal or '?'} TFLOP/s ({name})",
+         {"head_ms": head, "nominal_tflops": nominal})
+    emit("| arch | mode | ms | layers ms (less the head) | tokens/s | MFU measured | MFU nominal |"
+         " peak GB | estimate GB | graphs, breaks, recompiles |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     # and CoLA-1B's own d_ff, 5461 (configs/cola_1b.toml): misaligned bf16 strides in the MLP's
     # GEMMs, then rounded up to 5464 by --mlp_multiple_of=8 (eager only)
     variants = [(arch, {"arch": arch, "mlp_gate": "auto" if arch != "cola" else base.mlp_gate})
                 for arch in ("cola", "full", "svd")]
     variants += [("cola d_ff 5461", {"mlp_width": 5461}),
                  ("cola d_ff 5461, mlp_multiple_of=8", {"mlp_width": 5461, "mlp_multiple_of": 8})]
-    for arch, change in variants:
+    for arch, change in [v for v in variants if only is None or v[0] in only]:
         cfg = type(base)(**{**base.shape(), "n_layer": n_layer, "vocab_size": 32000, **change})
         with torch.device("meta"):
             # counted from the matrices
             flops_per_token = Llama(cfg).flops_per_token(cfg.block_size)
-        for compile_ in (False, True) if arch in compiled else (False,):
-            what = f"{arch} {'compiled' if compile_ else 'eager'} step"
-            if not fits("compiled" if compile_ else "eager", deadline, emit, what):
+        modes = ["eager"] + ["compiled"] * (arch in compiled) + ["captured"] * (arch in captured)
+        for mode in modes:
+            if not fits(mode, deadline, emit, f"{arch} {mode} step"):
                 continue
             fresh_peak(device)
-            r = train_step(cfg, device, compile_)
+            r = train_step(cfg, device, mode)
             r["mfu"] = flops_per_token * r["tokens_per_s"] / (peak * 1e12)
+            r["mfu_nominal"] = flops_per_token * r["tokens_per_s"] / (nominal * 1e12) \
+                if nominal else None
             r["layers_ms"] = r["ms"] - head
-            emit(f"| {arch} | {compile_} | {r['ms']:.1f} | {r['layers_ms']:.1f} | "
-                 f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gb']:.1f} |",
-                 {"arch": arch, "compile": compile_, **r})
+            dyn = dynamo_counts() if mode == "compiled" else None
+            emit(f"| {arch} | {mode} | {r['ms']:.1f} | {r['layers_ms']:.1f} | "
+                 f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+                 + (f"{100 * r['mfu_nominal']:.1f}%" if nominal else "?")
+                 + f" | {r['peak_gb']:.1f} | {r['estimate_gb']:.1f} | "
+                 + (", ".join(str(v) for v in dyn.values()) if dyn else "-") + " |",
+                 {"arch": arch, "mode": mode, **r, **({"dynamo": dyn} if dyn else {})})
 
 
 def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None, deadline=None,
         compiled=("cola", "full", "svd"), steps_first=False):
     """Both tables, each row printed (log) and appended to rows_path (JSON Lines) as it is
     measured, so that a run stopped by a timeout keeps its rows; returns (markdown, results).
-    With a deadline (time.time()'s), each row starts only where it fits (ROW_S); gpu_check puts
-    the step table first (steps_first) and compiles CoLA's step alone."""
+    With a deadline (time.time()'s), each row starts only where it fits (ROW_S). gpu_check's order
+    (steps_first): CoLA's and the dense model's steps (eager, compiled, captured), then the
+    kernels, then the svd and d_ff 5461 rows (eager), the ones that teach least."""
     from extensions import kernel_choice
     kernel_choice.select("auto", device)
     out = {"device": torch.cuda.get_device_name() if str(device).startswith("cuda")
@@ -258,9 +311,15 @@ def run(device="cuda", n_layer=8, json_path=None, log=print, rows_path=None, dea
     out["matmul_peak_tflops"] = peak = matmul_peak(device)
     emit(f"{out['device']}, {out['date']}, torch {torch.__version__}; bf16 matmul peak "
          f"measured: {peak:.0f} TFLOP/s", {"matmul_peak_tflops": peak})
-    tables = [lambda: kernel_rows(device, torch.bfloat16, emit, deadline),
-              lambda: step_rows(device, n_layer, peak, emit, deadline, compiled)]
-    for table in (tables[::-1] if steps_first else tables):
+    kernels = lambda: kernel_rows(device, torch.bfloat16, emit, deadline)   # noqa: E731
+    steps = lambda only=None: step_rows(device, n_layer, peak, emit, deadline,  # noqa: E731
+                                        compiled, only=only)
+    tables = [kernels, steps]
+    if steps_first:
+        first = ("cola", "full")
+        tables = [lambda: steps(first), kernels,
+                  lambda: steps(("svd", "cola d_ff 5461", "cola d_ff 5461, mlp_multiple_of=8"))]
+    for table in tables:
         table()
         emit("")
     text = "\n".join(lines)

@@ -30,7 +30,7 @@ def rank_main(tp_rank, world, store, device, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=tp_rank, world_size=world,
                             store=dist.FileStore(store, world),
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=40))   # (< gpu_check's slot)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     local_ops.select("triton", device)
