@@ -73,10 +73,9 @@ class Captured:
         self.body, self.device, self.graph = body, device, graph or Graph()
         self.calls, self.outs, self.ledger, self.xs = 0, None, None, None
         self.at = torch.zeros((), dtype=torch.long, device=device)
-        cuda = device.startswith("cuda")
+        self.optimizer = optimizer
         for group in optimizer.param_groups:   # (a float would be baked into the graph)
             group["lr"] = torch.tensor(float(group["lr"]), device=device)
-            group["capturable"] = cuda   # (torch.optim refuses a capture otherwise)
 
     def step(self, batches, iter_num):
         xs, ys = (torch.stack(t) for t in zip(*batches))   # (micro, b, s) each
@@ -90,7 +89,9 @@ class Captured:
             out = self._warm()
             self.ledger = copy.deepcopy(dict(LEDGER.counts))
             return out
-        if self.outs is None:
+        if self.outs is None:   # (torch.optim refuses a capture without capturable, and warns
+            for group in self.optimizer.param_groups:   # when it steps eager with it)
+                group["capturable"] = self.device.startswith("cuda")
             self.outs = self.graph.capture(self._run)
         self.graph.replay()
         LEDGER.reset()   # (a replay runs no Python: the captured step's collectives)

@@ -186,7 +186,8 @@ def hold_gradient_sync(model, hold):
     model.set_requires_gradient_sync(not hold)
     if not hold:
         state = fully_shard.state(model)
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
+        for each in state._state_ctx.all_states:   # (torch 2.11: one `_fsdp_param_group` or None)
+            groups = getattr(each, "_fsdp_param_groups", None)
+            for group in groups if groups is not None else filter(None, [each._fsdp_param_group]):
                 group.post_backward()
         state._root_post_backward_final_callback()

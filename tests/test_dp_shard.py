@@ -214,3 +214,24 @@ def test_sharded_checkpoints_resume_across_dp_shard_settings(tmp_path, data_dir)
 def test_bad_dp_shard(capsys, monkeypatch, tmp_path, world, argv, fragment):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     expect_error(capsys, [f"--out_dir={tmp_path}", *argv], fragment)
+
+
+def test_held_gradient_sync_releases_on_torch_2_11s_state_too(monkeypatch):
+    """pipeline.hold_gradient_sync's release walks FSDP's states as torch does: 2.13 keeps a list
+    `_fsdp_param_groups`, 2.11 (the GPU image's) one `_fsdp_param_group` or None; each group's
+    post_backward runs once, then the root's final callback (FSDP's objects stood in for)."""
+    from types import SimpleNamespace
+    from torch.distributed.fsdp import fully_shard
+    calls, flags = [], {}
+    group = lambda name: SimpleNamespace(post_backward=lambda: calls.append(name))   # noqa: E731
+    states = [SimpleNamespace(_fsdp_param_group=group("a")), SimpleNamespace(_fsdp_param_group=None),
+              SimpleNamespace(_fsdp_param_groups=[group("b"), group("c")])]
+    root = SimpleNamespace(_state_ctx=SimpleNamespace(all_states=states),
+                           _root_post_backward_final_callback=lambda: calls.append("final"))
+    monkeypatch.setattr(fully_shard, "state", lambda model: root)
+    model = SimpleNamespace(**{f"set_{k}": (lambda k: lambda v: flags.__setitem__(k, v))(k)
+                               for k in ("is_last_backward", "reshard_after_backward", "requires_gradient_sync")})
+    pipeline.hold_gradient_sync(model, True)
+    assert flags == dict.fromkeys(flags, False) and len(flags) == 3 and calls == []
+    pipeline.hold_gradient_sync(model, False)
+    assert flags == dict.fromkeys(flags, True) and calls == ["a", "b", "c", "final"]
