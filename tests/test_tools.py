@@ -363,3 +363,21 @@ def test_the_quality_winner_config_is_the_benchs_cola_run():
                                  if not a.startswith(("--tp=", "--layout=", "--eval_iters="))])
     assert [(c.shape(), dataclasses.asdict(t)) for c, t in (mine, theirs)][0] == \
         [(c.shape(), dataclasses.asdict(t)) for c, t in (mine, theirs)][1]
+
+
+def test_gpu_md_gives_gpu_checks_slots_and_its_count_of_comparisons():
+    """docs/gpu.md's table: each step's slot as gpu_check.STEPS has it, and the kernel step's count
+    of comparisons on a GPU (every bf16 configuration on the ragged shapes, training's calls, the
+    real shapes; fp32's first configuration and training's calls)."""
+    import bench_gpu
+    import gpu_check
+    import gpu_check_kernels as k
+    import triton_kernels as tk
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    for name, slot in gpu_check.STEPS.items():
+        assert f"| {name} | {slot} |" in text, name
+    real = sum(len(bench_gpu.kernel_cases(cfg)) for cfg in bench_gpu.shapes().values())
+    count = (len(tk.GEMM_CONFIGS[(90, 16)]) * len(k.RAGGED) + len(k.TRAINING) + real
+             + len(k.RAGGED) + len(k.TRAINING))
+    assert f"| kernels | {gpu_check.STEPS['kernels']} | {count} comparisons" in text, count
+    assert sum(gpu_check.STEPS.values()) == 475 and "475 s budget" in text
