@@ -1,10 +1,8 @@
 """bench.py: side-by-side measurements on this machine, for the comparisons of BOOST (arXiv
 2512.12131) §7.
 
-    python tools/bench.py archs    # full vs svd vs CoLA at one width: tokens/s and val loss
-                                   # after the same steps
-    python tools/bench.py traffic  # TP traffic per layer of the three layouts: formula vs the
-                                   # ledger's count
+    python tools/bench.py archs    # full vs svd vs CoLA at one width: tokens/s, val loss
+    python tools/bench.py traffic  # TP traffic per layer of the layouts: formula vs the ledger
     python tools/bench.py layouts  # tp 1, 2, 4: the layouts side by side, then the ablations
                                    # (norm, grouping, recompute)
     python tools/bench.py comm     # exposed communication: each layout plain, with --overlap
@@ -24,12 +22,13 @@
     python tools/bench.py optim    # AdamW vs Muon, cola and full: ms per train.py iteration
                                    # and of the optimizer step alone (bench_optim.py)
     python tools/bench.py quality  # time to the dense model's val loss, CoLA under BTP against
-                                   # dense under Megatron at tp=2, --seeds=3 (bench_quality.py)
+                                   # dense under Megatron at tp=2, --seeds=3 (bench_quality.py);
+                                   # `arms`: {dense, CoLA} x {AdamW, Muon}, swept (bench_arms.py)
     python tools/bench.py threads  # make train's model at 1, 2 and train.py's chosen threads,
                                    # idle and beside two busy processes (bench_threads.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
-                                   # Triton vs PyTorch, and a 1B-shaped training step per arch,
-                                   # compile off/on (bench_gpu.py)
+                                   # Triton vs PyTorch, a 1B step per arch, eager, compiled,
+                                   # captured (bench_gpu.py)
 
 Each prints a markdown table and writes <json_dir>/bench-<name>.json (`--json_dir=DIR`, default
 bench-results/, which git ignores). Each comparison is measured in one run, the configurations
@@ -275,7 +274,7 @@ def bench_checkpoint(extra):
 
 
 BENCHES = ("archs", "traffic", "layouts", "comm", "pp", "model", "data", "checkpoint", "gpu",
-           "dp_shard", "startup", "optim", "quality", "threads", "schedules")
+           "dp_shard", "startup", "optim", "quality", "arms", "threads", "schedules")
 
 
 def rounds_of(extra, default):
@@ -368,6 +367,10 @@ def main(argv):
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
+    elif what == "arms":
+        import bench_arms
+        sweep = any(a.startswith("--sweep") for a in extra)
+        text, out = (bench_arms.sweep if sweep else bench_arms.bench)(extra)
     elif what == "quality":
         import bench_quality
         sweep = any(a.startswith("--sweep") for a in extra)

@@ -106,7 +106,7 @@ def curve(records):
     return sorted((r["iter"], r["val_loss"]) for r in records if "val_loss" in r)
 
 
-def train(runs, shape, seeds, eval_every, tmp, log, keep=None):
+def train(runs, shape, seeds, eval_every, tmp, log, keep=None, seed0=1337):
     """{run: [records of each seed]}, the runs interleaved seed by seed, each a fresh process. With
     `keep` (a folder), each run's records are kept there and reused when the same arguments come
     again on the same code and corpus (a sweep that was stopped goes on where it was); a kept file
@@ -117,7 +117,7 @@ def train(runs, shape, seeds, eval_every, tmp, log, keep=None):
     out, reused = {name: [] for name in runs}, 0
     for seed in range(seeds):
         for i, (name, args) in enumerate(runs.items()):   # (a folder each: seed, run)
-            argv = [*shape, *args, f"--seed={1337 + seed}", f"--eval_interval={eval_every}"]
+            argv = [*shape, *args, f"--seed={seed0 + seed}", f"--eval_interval={eval_every}"]
             kept = Path(keep) / f"{name.replace(' ', '_').replace(',', '')}-{seed}.json" \
                 if keep else None
             key = run_key(argv) if kept else None
