@@ -22,8 +22,8 @@
     python tools/bench.py optim    # AdamW vs Muon, cola and full: ms per train.py iteration
                                    # and of the optimizer step alone (bench_optim.py)
     python tools/bench.py quality  # time to the dense model's val loss, CoLA under BTP against
-                                   # dense under Megatron at tp=2, --seeds=3 (bench_quality.py);
-                                   # `arms`: {dense, CoLA} x {AdamW, Muon}, swept (bench_arms.py)
+                                   # dense under Megatron at tp=2, --seeds=3 (bench_quality.py)
+    python tools/bench.py arms     # {dense, CoLA} x {AdamW, Muon}, swept alike (bench_arms.py)
     python tools/bench.py threads  # make train's model at 1, 2 and train.py's chosen threads,
                                    # idle and beside two busy processes (bench_threads.py)
     python tools/bench.py gpu      # one GPU, < 5 min: the kernels at BOOST's 1B/7B TP=4 slices,
@@ -367,14 +367,10 @@ def main(argv):
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         text = f"{title}\n\n{table(header, rows)}\n\n{note}"
-    elif what == "arms":
-        import bench_arms
+    elif what in ("quality", "arms"):
+        bench = __import__(f"bench_{what}")
         sweep = any(a.startswith("--sweep") for a in extra)
-        text, out = (bench_arms.sweep if sweep else bench_arms.bench)(extra)
-    elif what == "quality":
-        import bench_quality
-        sweep = any(a.startswith("--sweep") for a in extra)
-        text, out = (bench_quality.sweep if sweep else bench_quality.bench)(extra)
+        text, out = (bench.sweep if sweep else bench.bench)(extra)
     elif what == "threads":
         import bench_threads
         text, out = bench_threads.bench(iters if iters != 10 else 50, rounds_of(extra, 3))

@@ -1,10 +1,10 @@
 """bench_arms.py: `python tools/bench.py arms`: time to quality as a sceptic asks for it: four arms,
 each tuned with the same sweep budget, five seeds, the wall-time ratio's interval.
 
-BOOST (arXiv 2512.12131) promises the dense model's quality sooner. The arms: {the dense model under
-Megatron TP, CoLA under BTP} x {AdamW, Muon}. `--sweep` tunes each arm with the same budget: the same
-number of recipes over the same grid (learning rate x warmup for the AdamW arms, Muon's rate x
-warmup for the Muon arms, whose AdamW part keeps 1e-3), trained at tp=1 on the sweep seed
+BOOST (arXiv 2512.12131) promises the dense model's quality sooner. The arms: {the dense model
+under Megatron TP, CoLA under BTP} x {AdamW, Muon}. `--sweep` tunes each arm with the same budget:
+the same number of recipes over the same grid (learning rate x warmup for the AdamW arms, Muon's
+rate x warmup for the Muon arms, whose AdamW part keeps 1e-3), trained at tp=1 on the sweep seed
 SWEEP_SEED, which no bench seed uses; each arm's winner (the dense arms': the lowest val loss at
 their last step; CoLA's: the fewest steps to the better dense winner's val loss, else the lowest
 last val) is written as configs/arms/<arm>.toml, and the sweep's table lists what each arm was
