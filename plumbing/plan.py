@@ -77,8 +77,9 @@ def make(cfg, tc, world):
         check_dp_shard(tc, dp)
     check_recompute(cfg, tc.recompute)
     device = resolve_device(tc.device)
-    if tc.cuda_graph and cuda_graph.refusal(tc, device, dp):
-        raise ValueError(cuda_graph.refusal(tc, device, dp))
+    why = tc.cuda_graph and cuda_graph.refusal(tc, device, dp)
+    if why:
+        raise ValueError(why)
     return Plan(cfg, tc, world, dp, layout, device, compute_dtype(tc, device))
 
 

@@ -76,16 +76,14 @@ def winners(trained):
     """{arm: its winning recipe's name} from {recipe: [records]} (one seed): the dense arms' lowest
     val at their last step; CoLA's fewest steps to the better dense winner's (else lowest last)."""
     last = {name: bq.curve(recs[0])[-1][1] for name, recs in trained.items()}
-    arm_of = lambda name: name.split(":")[0]   # noqa: E731
-    out = {}
-    for arm in dict.fromkeys(map(arm_of, trained)):
-        names = [n for n in trained if arm_of(n) == arm]
-        if arm.startswith("dense"):
-            out[arm] = min(names, key=last.get)
-    target = min((last[out[a]] for a in out), default=None)
-    for arm in dict.fromkeys(map(arm_of, trained)):
+    by_arm = {}
+    for name in trained:
+        by_arm.setdefault(name.split(":")[0], []).append(name)
+    out = {arm: min(names, key=last.get) for arm, names in by_arm.items()
+           if arm.startswith("dense")}
+    target = min((last[n] for n in out.values()), default=None)
+    for arm, names in by_arm.items():
         if arm.startswith("cola"):
-            names = [n for n in trained if arm_of(n) == arm]
             steps = {n: bq.crossing(bq.curve(trained[n][0]), target) if target else None
                      for n in names}
             out[arm] = min(names, key=lambda n: (steps[n] is None, steps[n] or 0, last[n]))
@@ -184,8 +182,7 @@ def sweep(extra, log=print):
                            seed0=SWEEP_SEED)
     won = winners(trained)
     for arm, name in won.items():
-        write_config(arm, [a for a in runs[name] if not a.startswith("--max_iters")] +
-                     [a for a in runs[name] if a.startswith("--max_iters")])
+        write_config(arm, runs[name])
     rows = [[name, f"{len(grid(name.split(':')[0]))}", " ".join(
         f"{v:.4f}@{s}" for s, v in bq.curve(recs[0])[-4:]), "winner" if name in won.values()
         else ""] for name, recs in trained.items()]
