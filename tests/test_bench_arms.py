@@ -19,7 +19,8 @@ def records(evals, ms):
 
 
 def test_every_arm_is_offered_the_same_budget_over_the_same_grid():
-    grids = {arm: arms.grid(arm) for arm in arms.ARMS}
+    grids = {arm: arms.grid(arm) for arm in arms.ARMS if arm not in arms.RANKED}
+    assert len(grids) == 4
     assert {len(g) for g in grids.values()} == {len(arms.WARMUPS) * len(arms.LRS)}
     for arm, g in grids.items():
         rates = {a for args in g.values() for a in args
@@ -29,8 +30,9 @@ def test_every_arm_is_offered_the_same_budget_over_the_same_grid():
         assert warmups == {f"--warmup_iters={w}" for w in arms.WARMUPS}
         for args in g.values():   # (each recipe a valid run of the bench's shape)
             options.parse_args([*arms.SHAPE, *args])
-    assert "--max_iters=750" in grids["cola adamw"]["cola adamw: lr 1e-3, warmup 60"]
-    assert "--max_iters=500" in grids["dense muon"]["dense muon: muon_lr 0.01, warmup 60"]
+    assert "--max_iters=450" in grids["cola adamw"]["cola adamw: lr 1e-3, warmup 30"]
+    assert "--lr_decay_iters=375" in grids["cola muon"]["cola muon: muon_lr 0.04, warmup 90"]
+    assert "--max_iters=300" in grids["dense muon"]["dense muon: muon_lr 0.01, warmup 30"]
 
 
 def test_winners_are_the_dense_arms_lowest_and_colas_soonest():
@@ -87,11 +89,27 @@ def test_compare_takes_the_better_dense_arm_and_the_best_cola_arm():
 
 
 def test_the_winner_file_is_a_config_train_py_reads(tmp_path):
-    args = arms.grid("cola muon")["cola muon: muon_lr 0.02, warmup 150"]
+    args = arms.grid("cola muon")["cola muon: muon_lr 0.02, warmup 90"]
     path = arms.write_config("cola muon", args, tmp_path)
     cfg, tc = options.parse_args([*arms.SHAPE, *arms.config_args(path)])   # (as the bench runs it)
     assert (cfg.arch, tc.layout, tc.optimizer, tc.muon_lr, tc.warmup_iters, tc.max_iters) == \
-        ("cola", "btp", "muon", 0.02, 150, 750)
+        ("cola", "btp", "muon", 0.02, 90, 450)
+    assert cfg.attn_rank == cfg.mlp_rank == 64   # (r = d/4 at the CPU tier's d=256)
+
+
+def test_the_rank_arm_trains_cola_muons_winner_at_three_eighths_of_d(monkeypatch, tmp_path):
+    """The fifth arm is not swept: it reads CoLA Muon's winner file, its rank 3d/8 of the tier's
+    d (96 at the CPU tier's 256, 192 at the GPU tier's 512, after the GPU shape's own 128)."""
+    monkeypatch.setattr(arms, "CONFIGS", tmp_path)
+    arm = "cola muon r=3d/8"
+    assert arms.chosen([f"--arms=dense muon,{arm}"]) == ["dense muon", arm]
+    assert arms.config_file(arm) == tmp_path / "cola_muon.toml"
+    arms.write_config("cola muon", arms.grid("cola muon")["cola muon: muon_lr 0.01, warmup 90"])
+    for shape, r in ((arms.SHAPE, 96), (arms.SHAPE_GPU, 192)):
+        cfg, tc = options.parse_args([*shape, *arms.config_args(arms.config_file(arm)),
+                                      *arms.rank_args(arm, shape)])
+        assert (cfg.attn_rank, cfg.mlp_rank, tc.muon_lr, cfg.arch) == (r, r, 0.01, "cola")
+    assert arms.rank_args("cola muon", arms.SHAPE) == []
 
 
 def test_bad_arms_and_missing_winners_are_one_line(capsys, monkeypatch, tmp_path):

@@ -8,17 +8,18 @@ rate x warmup for the Muon arms, whose AdamW part keeps 1e-3), trained at tp=1 o
 SWEEP_SEED, which no bench seed uses; each arm's winner (the dense arms': the lowest val loss at
 their last step; CoLA's: the fewest steps to the better dense winner's val loss, else the lowest
 last val) is written as configs/arms/<arm>.toml, and the sweep's table lists what each arm was
-offered. The bench trains the winners on `--seeds` seeds (default 5), interleaved, at tp=2; on each
-seed the target is the better dense arm's val loss at its last step (the better: lower on the mean
-over seeds), and each CoLA arm meets each dense arm seed by seed (`pairs`): seeds reaching, steps,
-tokens, FLOPs and wall time to the target (mean, 95% interval), and the wall ratio: per seed CoLA's
-wall time over the dense arm's, its mean and the upper end of its interval. CoLA's cosine ends at
-step 625 and it trains on to 1.5x the dense steps (750); one that misses says where it ended. The
-headline is the best CoLA arm against the better dense arm; `decide` splits its ratio into the
-steps ratio and the step-time ratio, and says what each would need for 0.6. `--arms=a,b` trains
-some arms only (the CPU tier's headline pair in under 25 minutes; all four take twice as long).
-`--tier=gpu`: CoLA-60M's shape on one GPU at tp=1, three seeds, its corpus prepared by the command
-from this machine's Python library (no download).
+offered. A fifth arm, CoLA with Muon at r = 3d/8 (RANKED), is not swept: it trains CoLA Muon's
+winner at the other rank, the rank the only difference. The bench trains the winners on `--seeds`
+seeds (default 5), interleaved, at tp=2; on each seed the target is the better dense arm's val
+loss at its last step (the better: lower on the mean over seeds), and each CoLA arm meets each
+dense arm seed by seed (`pairs`): seeds reaching, steps, tokens, FLOPs and wall time to the target
+(mean, 95% interval), and the wall ratio: per seed CoLA's wall time over the dense arm's, its mean
+and the upper end of its interval. Dense arms train DENSE_STEPS; CoLA's cosine is 1.25x that and
+it trains on to EXTEND x (one that misses says where it ended). The headline is the best CoLA arm
+against the better dense arm; `decide` splits its ratio into the steps ratio and the step-time
+ratio, and says what each would need for 0.6. `--arms=a,b` trains some arms only (the CPU tier's
+headline pair in under 25 minutes). `--tier=gpu`: CoLA-60M's shape on one GPU at tp=1, three
+seeds, its corpus prepared by the command from this machine's Python library (no download).
 """
 import contextlib
 import itertools
@@ -33,12 +34,15 @@ import bench_quality as bq   # noqa: E402  (crossing, interval, curve, wall_ms, 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "arms"
 SHAPE = bq.SHAPE                    # d=256, 4 layers, block 128, batch 8, tp=2 (the CPU tier)
-DENSE_STEPS, COLA_DECAY, EXTEND = 500, 625, 1.5
+# 300 dense steps: the headline pair's five seeds fit 25 minutes on the 2-core machine (500 did not)
+DENSE_STEPS, COLA_DECAY, EXTEND = 300, 375, 1.5
 ARMS = {"dense adamw": ["--arch=full", "--layout=megatron", "--optimizer=adamw"],
         "dense muon": ["--arch=full", "--layout=megatron", "--optimizer=muon"],
         "cola adamw": ["--arch=cola", "--layout=btp", "--optimizer=adamw"],
-        "cola muon": ["--arch=cola", "--layout=btp", "--optimizer=muon"]}
-LRS, MUON_LRS, WARMUPS = ("1e-3", "2e-3"), ("0.01", "0.02"), (60, 150)
+        "cola muon": ["--arch=cola", "--layout=btp", "--optimizer=muon"],
+        "cola muon r=3d/8": ["--arch=cola", "--layout=btp", "--optimizer=muon"]}
+RANKED = {"cola muon r=3d/8": ("cola muon", 3 / 8)}   # arm: (the swept arm whose winner, r/d)
+LRS, MUON_LRS, WARMUPS = ("1e-3", "2e-3", "4e-3"), ("0.01", "0.02", "0.04"), (30, 90)
 SWEEP_SEED, SEED0 = 7, 1337         # the sweep's seed; the bench's are SEED0, SEED0 + 1, ...
 # the GPU tier: CoLA-60M's shape, tp=1, three seeds; the corpus: this machine's Python library
 SHAPE_GPU = ["--n_embd=512", "--mlp_width=1376", "--n_head=8", "--n_layer=8", "--attn_rank=128",
@@ -56,6 +60,21 @@ def schedule(arm, dense_steps=None):
         return [f"--lr_decay_iters={dense_steps}", f"--max_iters={dense_steps}"]
     return [f"--lr_decay_iters={dense_steps * COLA_DECAY // DENSE_STEPS}",
             f"--max_iters={int(dense_steps * EXTEND)}"]
+
+
+def config_file(arm):
+    """The winner file an arm trains: its own, or (a RANKED arm) the swept arm's."""
+    arm = RANKED.get(arm, (arm,))[0]
+    return CONFIGS / f"{arm.replace(' ', '_')}.toml"
+
+
+def rank_args(arm, shape):
+    """A RANKED arm's bottleneck rank, r = its fraction of the shape's n_embd; [] for the others."""
+    if arm not in RANKED:
+        return []
+    d = int(next(a for a in shape if a.startswith("--n_embd=")).split("=")[1])
+    r = int(d * RANKED[arm][1])
+    return [f"--attn_rank={r}", f"--mlp_rank={r}"]
 
 
 def grid(arm):
@@ -174,7 +193,7 @@ def rows_of(pairs):
 def sweep(extra, log=print):
     """(markdown, results) of the sweep: every arm's grid (or the arms of --arms=a,b) on the sweep
     seed at tp=1, kept in bench-results/sweep-arms/ for a stopped sweep; the winners written."""
-    arms = chosen(extra)
+    arms = [a for a in chosen(extra) if a not in RANKED]   # (a RANKED arm takes another's winner)
     runs = {name: args for arm in arms for name, args in grid(arm).items()}
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,13 +266,13 @@ def bench(extra, log=print):
     if not any(a.startswith("dense") for a in arms) or not any(a.startswith("cola") for a in arms):
         print("error: --arms needs a dense arm and a CoLA arm", file=sys.stderr)
         sys.exit(2)
-    missing = [a for a in arms if not (CONFIGS / f"{a.replace(' ', '_')}.toml").is_file()]
+    missing = [a for a in arms if not config_file(a).is_file()]
     if missing:
         print(f"error: no sweep winner for {missing}: run `bench.py arms --sweep` first",
               file=sys.stderr)
         sys.exit(2)
     shape = SHAPE_GPU + [f"--dataset={gpu_corpus()}"] if gpu else SHAPE
-    runs = {a: [*config_args(CONFIGS / f"{a.replace(' ', '_')}.toml"),
+    runs = {a: [*config_args(config_file(a)), *rank_args(a, shape),
                 *(schedule(a, STEPS_GPU) if gpu else [])] for a in arms}
     flops = {}
     for name, args in runs.items():
