@@ -86,6 +86,11 @@ def test_compare_takes_the_better_dense_arm_and_the_best_cola_arm():
     rows = {row[0]: row for row in arms.rows_of(pairs)}
     assert rows["cola muon vs dense muon"][6].endswith(")") and "upper" in rows["cola muon vs dense muon"][6]
     assert rows["cola muon vs dense adamw"][6] == "-"
+    # against dense AdamW's own losses (1.6, 1.4) both CoLA arms reach on both seeds, with ratios
+    own = arms.own_targets(trained, better, 100, {"cola adamw": 1.0, "cola muon": 1.0})
+    assert set(own) == {("cola adamw", "dense adamw"), ("cola muon", "dense adamw")}
+    assert own[("cola adamw", "dense adamw")]["reached"] == "2/2"
+    assert own[("cola muon", "dense adamw")]["ratio"][0] < 1
 
 
 def test_the_winner_file_is_a_config_train_py_reads(tmp_path):

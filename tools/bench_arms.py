@@ -178,6 +178,16 @@ def compare(trained, tokens_per_iter, flops):
     return targets, better, pairs, head
 
 
+def own_targets(trained, better, tokens_per_iter, flops):
+    """{(cola arm, dense arm): pair} against each dense arm but the better one on that arm's own val
+    loss at its last step, seed by seed: like against like (e.g. both with AdamW, as the papers
+    compare), beside the headline's harder target."""
+    return {(c, d): pair(trained[c], trained[d], [bq.curve(r)[-1][1] for r in trained[d]],
+                         tokens_per_iter, flops[c])
+            for d in trained if d.startswith("dense") and d != better
+            for c in trained if c.startswith("cola")}
+
+
 def rows_of(pairs):
     def fmt(r, key, f):
         return f"{f(r[key][0])} ± {f(r[key][1])}" if key in r else "not reached"
@@ -284,12 +294,18 @@ def bench(extra, log=print):
     with tempfile.TemporaryDirectory() as tmp, timed_runs(runs) as seconds:
         trained = bq.train(runs, shape, seeds, bq.EVAL_EVERY, tmp, log, seed0=SEED0)
     targets, better, pairs, head = compare(trained, tokens_per_iter, flops)
+    own = own_targets(trained, better, tokens_per_iter, flops)
+    header = ["CoLA arm vs dense arm", "seeds reaching", "steps", "tokens", "model FLOPs", "wall s",
+              "wall ratio (upper end)", "missed: val at step"]
     text = (f"Time to the better dense arm's ({better}) val loss at its last step, seed by seed "
             f"(mean {statistics.fmean(targets):.4f}), {seeds} seeds, mean ± 95%\n\n" +
-            table(["CoLA arm vs dense arm", "seeds reaching", "steps", "tokens", "model FLOPs",
-                   "wall s", "wall ratio (upper end)", "missed: val at step"], rows_of(pairs)))
+            table(header, rows_of(pairs)))
+    if own:
+        text += ("\n\nTime to each other dense arm's own val loss at its last step, seed by "
+                 "seed\n\n" + table(header, rows_of(own)))
     out = {"targets": targets, "better": better, "flops": flops, "seconds": seconds,
            "pairs": {f"{c} vs {d}": r for (c, d), r in pairs.items()},
+           "own_targets": {f"{c} vs {d}": r for (c, d), r in own.items()},
            "curves": {n: [bq.curve(r) for r in s] for n, s in trained.items()}}
     text += "\n\nEach arm's runs, all seeds, start to end: " + ", ".join(
         f"{a} {sum(t) / 60:.1f} min" for a, t in seconds.items())
