@@ -3,6 +3,7 @@ sweep's equal budgets, its winners, the seed-by-seed pairing, the wall ratio's i
 upper end, a miss and where it ended, which half decides, the headline; and its refusals.
 """
 import statistics
+import sys
 
 import pytest
 
@@ -128,6 +129,18 @@ def test_bad_arms_and_missing_winners_are_one_line(capsys, monkeypatch, tmp_path
     with pytest.raises(SystemExit):
         arms.bench(["--arms=cola muon"])
     assert "needs a dense arm and a CoLA arm" in capsys.readouterr().err
+    # without matplotlib (its figure) the bench stops before any training, in one line
+    arms.write_config("cola muon", arms.grid("cola muon")["cola muon: muon_lr 0.01, warmup 30"])
+    arms.write_config("dense muon", arms.grid("dense muon")["dense muon: muon_lr 0.01, warmup 30"])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # (import matplotlib raises)
+    monkeypatch.setattr(bq, "train", lambda *a, **k: pytest.fail("trained without matplotlib"))
+    with pytest.raises(SystemExit) as e:
+        arms.bench(["--arms=dense muon,cola muon"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: bench.py arms's figure needs the matplotlib")
+    with pytest.raises(SystemExit) as e:
+        bq.bench([])
+    assert e.value.code == 2 and "bench.py quality's figure needs" in capsys.readouterr().err
     assert statistics.fmean([1, 2]) == 1.5
 
 
@@ -153,3 +166,5 @@ def test_sweep_then_bench_end_to_end_at_a_toy_size(monkeypatch, tmp_path, data_d
     assert list(out["pairs"]) == ["cola adamw vs dense adamw"]
     assert [len(c) for c in out["curves"]["cola adamw"]] == [7, 7]   # (steps 0, 5, ..., 30)
     assert [len(t) for t in out["seconds"].values()] == [2, 2] and "min" in text
+    assert (tmp_path / "results" / "arms.png").stat().st_size > 0   # (the figure, from `out`)
+    assert [len(v) for v in out["step_ms"].values()] == [2, 2]

@@ -256,6 +256,40 @@ def timed_runs(runs):
         bench_common.train_run = first
 
 
+def figure(out, path):
+    """Val loss against steps, model FLOPs and (where the run kept its step times) wall time, each
+    arm's seeds as a band (min to max) around their mean, the mean target dashed: from the bench's
+    results (its JSON), so a kept run can be drawn again."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = ["step", "model FLOPs"] + (["wall time, s (steps x the median step)"]
+                                        if "step_ms" in out else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for name, seeds in out["curves"].items():
+        steps = [s for s, _ in seeds[0]]
+        losses = [[dict(map(tuple, c)).get(s, float("nan")) for c in seeds] for s in steps]
+        mean = [statistics.fmean(v) for v in losses]
+        for ax, label in zip(axes[0], panels):
+            scale = (out["tokens_per_iter"] * out["flops"][name] if label == "model FLOPs" else
+                     statistics.fmean(out["step_ms"][name]) / 1e3 if label.startswith("wall")
+                     else 1.0)
+            x = [s * scale for s in steps]
+            line, = ax.plot(x, mean, marker="o", ms=2, label=name)
+            ax.fill_between(x, [min(v) for v in losses], [max(v) for v in losses],
+                            color=line.get_color(), alpha=0.15)
+    target = statistics.fmean(out["targets"])
+    for ax, label in zip(axes[0], panels):
+        ax.axhline(target, color="gray", ls="--", lw=1)
+        ax.set(xlabel=label, ylabel="validation loss", ylim=(target - 0.25, target + 0.6))
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{len(out['targets'])} seeds as bands; dashed: {out['better']}'s val loss at "
+                 f"its last step, mean {target:.4f}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def gpu_corpus():
     """The GPU tier's corpus, from what the machine has: its Python standard library's sources (a
     folder of text files train.py prepares itself), so no download is needed."""
@@ -267,7 +301,7 @@ def bench(extra, log=print):
     """(markdown, results) of the arms' bench: the written winners of --arms (default all four)
     on --seeds seeds (default 5; the GPU tier's 3), interleaved; every pair, the headline."""
     import torch
-    from bench_common import table
+    import bench_common
     from model import Llama
     from plumbing import options
     opts = dict(a[2:].partition("=")[::2] for a in extra if a.startswith("--"))
@@ -281,6 +315,7 @@ def bench(extra, log=print):
         print(f"error: no sweep winner for {missing}: run `bench.py arms --sweep` first",
               file=sys.stderr)
         sys.exit(2)
+    bench_common.need_matplotlib("bench.py arms's figure")
     shape = SHAPE_GPU + [f"--dataset={gpu_corpus()}"] if gpu else SHAPE
     runs = {a: [*config_args(config_file(a)), *rank_args(a, shape),
                 *(schedule(a, STEPS_GPU) if gpu else [])] for a in arms}
@@ -293,6 +328,14 @@ def bench(extra, log=print):
     tokens_per_iter = tc.batch_size * tc.gradient_accumulation_steps * cfg.block_size
     with tempfile.TemporaryDirectory() as tmp, timed_runs(runs) as seconds:
         trained = bq.train(runs, shape, seeds, bq.EVAL_EVERY, tmp, log, seed0=SEED0)
+    return report(trained, seconds, flops, tokens_per_iter)
+
+
+def report(trained, seconds, flops, tokens_per_iter):
+    """(markdown, results) of the bench's trained runs: every pair on the better dense arm's target
+    and on each other dense arm's own, the figure, each arm's process time, the headline."""
+    from bench_common import table
+    seeds = len(next(iter(trained.values())))
     targets, better, pairs, head = compare(trained, tokens_per_iter, flops)
     own = own_targets(trained, better, tokens_per_iter, flops)
     header = ["CoLA arm vs dense arm", "seeds reaching", "steps", "tokens", "model FLOPs", "wall s",
@@ -306,9 +349,13 @@ def bench(extra, log=print):
     out = {"targets": targets, "better": better, "flops": flops, "seconds": seconds,
            "pairs": {f"{c} vs {d}": r for (c, d), r in pairs.items()},
            "own_targets": {f"{c} vs {d}": r for (c, d), r in own.items()},
-           "curves": {n: [bq.curve(r) for r in s] for n, s in trained.items()}}
-    text += "\n\nEach arm's runs, all seeds, start to end: " + ", ".join(
-        f"{a} {sum(t) / 60:.1f} min" for a, t in seconds.items())
+           "curves": {n: [bq.curve(r) for r in s] for n, s in trained.items()},
+           "tokens_per_iter": tokens_per_iter,
+           "step_ms": {n: [statistics.median(x["ms"] for x in r if "ms" in x) for r in s]
+                       for n, s in trained.items()}}
+    figure(out, bq.RESULTS / "arms.png")
+    text += f"\n\nFigure: {bq.RESULTS / 'arms.png'}. Each arm's runs, all seeds, start to end: "
+    text += ", ".join(f"{a} {sum(t) / 60:.1f} min" for a, t in seconds.items())
     if head and "ratio" in pairs[head]:
         out["headline"], out["decide"] = f"{head[0]} vs {head[1]}", decide(pairs[head])
         d = out["decide"]

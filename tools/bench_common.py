@@ -32,6 +32,16 @@ def train_run(nproc, args, out_dir):
     return [r for r in records if "event" not in r]
 
 
+def need_matplotlib(what):
+    """Exit 2 in one line before any work where matplotlib, which `what` draws with, is missing."""
+    from plumbing.tokenizer import need
+    try:
+        need("matplotlib", what)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def spawned(worker, world, *args):
     """worker(rank, world, store, *args, result) in `world` spawned processes (gloo over a file
     store in a temporary folder); what the worker wrote to `result`, read as JSON."""

@@ -225,8 +225,7 @@ def figure(trained, target, tokens_per_iter, flops, summary, path):
             axes[0].plot([row["wall_s"][0]], [target], "x", color=line.get_color(), ms=10)
             crossings.append((row["wall_s"][0], line.get_color()))
             axes[1].plot([row["flops"][0]], [target], "x", color=line.get_color(), ms=10)
-    for ax, label in ((axes[0], "wall time, s (training steps, this machine)"),
-                      (axes[1], "model FLOPs")):
+    for ax, label in zip(axes, ("wall time, s (training steps, this machine)", "model FLOPs")):
         ax.axhline(target, color="gray", ls="--", lw=1)
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss")
@@ -266,8 +265,9 @@ def zoom(ax, curves, crossings, target):
 def plan(extra, runs, shape):
     """(the bench's options, runs with train.py's own options added, shape, seeds, each run's
     parsed (Config, TrainConfig)), or exit 2 with one line before any training."""
-    from bench_common import shape_args
+    from bench_common import need_matplotlib, shape_args
     from plumbing import options
+    need_matplotlib("bench.py quality's figure")
     opts = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
     seeds, tier = opts.get("seeds", "3"), opts.get("tier", "cpu")
     # train.py's own options (--dataset=..., --tokenizer=...) go to every run
