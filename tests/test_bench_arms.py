@@ -129,11 +129,15 @@ def test_bad_arms_and_missing_winners_are_one_line(capsys, monkeypatch, tmp_path
     with pytest.raises(SystemExit):
         arms.bench(["--arms=cola muon"])
     assert "needs a dense arm and a CoLA arm" in capsys.readouterr().err
+    monkeypatch.setattr(bq, "train", lambda *a, **k: pytest.fail("trained"))
     # without matplotlib (its figure) the bench stops before any training, in one line
     arms.write_config("cola muon", arms.grid("cola muon")["cola muon: muon_lr 0.01, warmup 30"])
     arms.write_config("dense muon", arms.grid("dense muon")["dense muon: muon_lr 0.01, warmup 30"])
+    with pytest.raises(SystemExit) as e:   # (this machine has no CUDA device)
+        arms.bench(["--arms=dense muon,cola muon", "--tier=gpu"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith(
+        "error: --tier=gpu trains on a CUDA device and this machine has none")
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # (import matplotlib raises)
-    monkeypatch.setattr(bq, "train", lambda *a, **k: pytest.fail("trained without matplotlib"))
     with pytest.raises(SystemExit) as e:
         arms.bench(["--arms=dense muon,cola muon"])
     assert e.value.code == 2

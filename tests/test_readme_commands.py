@@ -87,7 +87,8 @@ def shrink(argv, made):
     if script.endswith("bench.py"):
         args += ["--iters=1", f"--json_dir={made['tmp']}/bench", "--n_embd=64", "--n_layer=2",
                  "--block_size=32", "--batch_size=2"] + (["--tp=2"] if "layouts" in args else [])
-    if script.endswith("gpu_check.py") or (script.endswith("bench.py") and "gpu" in args):
+    if script.endswith("gpu_check.py") or (script.endswith("bench.py") and
+                                          ("gpu" in args or "--tier=gpu" in args)):
         return start + args, 2   # (no CUDA device here: one line)
     return start + args, 0
 

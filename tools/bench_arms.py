@@ -315,6 +315,10 @@ def bench(extra, log=print):
         print(f"error: no sweep winner for {missing}: run `bench.py arms --sweep` first",
               file=sys.stderr)
         sys.exit(2)
+    if gpu and not torch.cuda.is_available():
+        print("error: --tier=gpu trains on a CUDA device and this machine has none (the CPU tier: "
+              "leave --tier out)", file=sys.stderr)
+        sys.exit(2)
     bench_common.need_matplotlib("bench.py arms's figure")
     shape = SHAPE_GPU + [f"--dataset={gpu_corpus()}"] if gpu else SHAPE
     runs = {a: [*config_args(config_file(a)), *rank_args(a, shape),
