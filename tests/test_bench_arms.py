@@ -157,7 +157,8 @@ def test_sweep_then_bench_end_to_end_at_a_toy_size(monkeypatch, tmp_path, data_d
     shape = [a for a in TINY if not a.startswith(("--warmup", "--log_interval"))]
     monkeypatch.setattr(arms, "SHAPE", [*shape, f"--data_dir={data_dir}", "--tp=2"])
     monkeypatch.setattr(arms, "DENSE_STEPS", 20)
-    monkeypatch.setattr(arms, "WARMUPS", (2,))   # (two recipes an arm)
+    monkeypatch.setattr(arms, "WARMUPS", (2, 4))   # (two recipes an arm: one rate, two warmups)
+    monkeypatch.setattr(arms, "LRS", ("2e-3",))
     monkeypatch.setattr(arms, "CONFIGS", tmp_path / "arms")
     monkeypatch.setattr(bq, "EVAL_EVERY", 5)
     monkeypatch.setattr(bq, "RESULTS", tmp_path / "results")
