@@ -173,3 +173,22 @@ def test_sweep_then_bench_end_to_end_at_a_toy_size(monkeypatch, tmp_path, data_d
     assert [len(t) for t in out["seconds"].values()] == [2, 2] and "min" in text
     assert (tmp_path / "results" / "arms.png").stat().st_size > 0   # (the figure, from `out`)
     assert [len(v) for v in out["step_ms"].values()] == [2, 2]
+
+
+def test_quality_md_says_the_grid_and_the_steps_the_bench_uses():
+    """docs/quality.md's counts are the bench's: recipes an arm, runs in the sweep, the steps, the
+    ranks at the CPU tier's d."""
+    from conftest import ROOT
+    text = " ".join((ROOT / "docs" / "quality.md").read_text().split())
+    swept = [a for a in arms.ARMS if a not in arms.RANKED]
+    per_arm = len(arms.grid(swept[0]))
+    assert f"offers every arm {per_arm} recipes over the same grid" in text
+    assert f"{len(swept) * per_arm} runs, {per_arm} an arm" in text
+    assert (f"Dense arms train {arms.DENSE_STEPS} steps; CoLA arms a cosine of {arms.COLA_DECAY}, "
+            f"trained on to {int(arms.DENSE_STEPS * arms.EXTEND)}") in text
+    d = int(next(a for a in arms.SHAPE if a.startswith("--n_embd=")).split("=")[1])
+    r = arms.rank_args("cola muon r=3d/8", arms.SHAPE)[0].split("=")[1]
+    assert f"r = 3d/8 = {r} instead of d/4 = {d // 4}" in text
+    assert f"rate in {{{', '.join(arms.LRS)}}} for AdamW" in text
+    assert f"rate in {{{', '.join(arms.MUON_LRS)}}} for the Muon arms" in text
+    assert f"warmup of {arms.WARMUPS[0]} or {arms.WARMUPS[1]} steps" in text
