@@ -2,6 +2,7 @@
 sweep's equal budgets, its winners, the seed-by-seed pairing, the wall ratio's interval and its
 upper end, a miss and where it ended, which half decides, the headline; and its refusals.
 """
+import shutil
 import statistics
 import sys
 
@@ -166,6 +167,7 @@ def test_sweep_then_bench_end_to_end_at_a_toy_size(monkeypatch, tmp_path, data_d
     text, out = arms.sweep([pick], log=lambda *a: None)
     assert set(out["winners"]) == {"dense adamw", "cola adamw"} and text.count("| winner |") == 2
     assert sorted(p.name for p in (tmp_path / "arms").iterdir()) == ["cola_adamw.toml", "dense_adamw.toml"]
+    shutil.rmtree(tmp_path / "results")   # (the bench alone, as in a fresh clone: its folder made)
     text, out = arms.bench([pick, "--seeds=2"], log=lambda *a: None)
     assert out["better"] == "dense adamw" and len(out["targets"]) == 2
     assert list(out["pairs"]) == ["cola adamw vs dense adamw"]

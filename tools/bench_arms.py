@@ -286,6 +286,7 @@ def figure(out, path):
     fig.suptitle(f"{len(out['targets'])} seeds as bands; dashed: {out['better']}'s val loss at "
                  f"its last step, mean {target:.4f}", fontsize=10)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)   # (a fresh clone has no bench-results/)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
