@@ -39,9 +39,9 @@ DENSE_STEPS, COLA_DECAY, EXTEND = 300, 375, 1.5
 ARMS = {"dense adamw": ["--arch=full", "--layout=megatron", "--optimizer=adamw"],
         "dense muon": ["--arch=full", "--layout=megatron", "--optimizer=muon"],
         "cola adamw": ["--arch=cola", "--layout=btp", "--optimizer=adamw"],
-        "cola muon": ["--arch=cola", "--layout=btp", "--optimizer=muon"],
-        "cola muon r=3d/8": ["--arch=cola", "--layout=btp", "--optimizer=muon"]}
+        "cola muon": ["--arch=cola", "--layout=btp", "--optimizer=muon"]}
 RANKED = {"cola muon r=3d/8": ("cola muon", 3 / 8)}   # arm: (the swept arm whose winner, r/d)
+CHOICES = [*ARMS, *RANKED]          # the arms --arms may name: the swept ones and the RANKED
 LRS, MUON_LRS, WARMUPS = ("1e-3", "2e-3", "4e-3"), ("0.01", "0.02", "0.04"), (30, 90)
 SWEEP_SEED, SEED0 = 7, 1337         # the sweep's seed; the bench's are SEED0, SEED0 + 1, ...
 # the GPU tier: CoLA-60M's shape, tp=1, three seeds; the corpus: this machine's Python library
@@ -203,7 +203,7 @@ def rows_of(pairs):
 def sweep(extra, log=print):
     """(markdown, results) of the sweep: every arm's grid (or the arms of --arms=a,b) on the sweep
     seed at tp=1, kept in bench-results/sweep-arms/ for a stopped sweep; the winners written."""
-    arms = [a for a in chosen(extra) if a not in RANKED]   # (a RANKED arm takes another's winner)
+    arms = [a for a in chosen(extra) if a in ARMS]   # (a RANKED arm takes another's winner)
     runs = {name: args for arm in arms for name, args in grid(arm).items()}
     shape = [a for a in SHAPE if not a.startswith("--tp=")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,11 +225,11 @@ def sweep(extra, log=print):
 
 
 def chosen(extra):
-    """The arms named by --arms=a,b (default all four), or exit 2 with one line."""
+    """The arms named by --arms=a,b (default all of CHOICES), or exit 2 with one line."""
     opts = dict(a[2:].partition("=")[::2] for a in extra if a.startswith("--"))
-    arms = [a.strip() for a in opts.get("arms", ",".join(ARMS)).split(",")]
-    if not arms or any(a not in ARMS for a in arms):
-        print(f"error: --arms={opts.get('arms')} names an arm not among {list(ARMS)}",
+    arms = [a.strip() for a in opts.get("arms", ",".join(CHOICES)).split(",")]
+    if not arms or any(a not in CHOICES for a in arms):
+        print(f"error: --arms={opts.get('arms')} names an arm not among {CHOICES}",
               file=sys.stderr)
         sys.exit(2)
     return arms
@@ -267,13 +267,13 @@ def figure(out, path):
                                         if "step_ms" in out else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for name, seeds in out["curves"].items():
-        steps = [s for s, _ in seeds[0]]
-        losses = [[dict(map(tuple, c)).get(s, float("nan")) for c in seeds] for s in steps]
+        by_seed = [dict(map(tuple, c)) for c in seeds]   # ({step: val} of each seed)
+        steps = list(by_seed[0])
+        losses = [[c.get(s, float("nan")) for c in by_seed] for s in steps]
         mean = [statistics.fmean(v) for v in losses]
-        for ax, label in zip(axes[0], panels):
-            scale = (out["tokens_per_iter"] * out["flops"][name] if label == "model FLOPs" else
-                     statistics.fmean(out["step_ms"][name]) / 1e3 if label.startswith("wall")
-                     else 1.0)
+        scales = [1.0, out["tokens_per_iter"] * out["flops"][name]] + (   # (x per step, a panel)
+            [statistics.fmean(out["step_ms"][name]) / 1e3] if "step_ms" in out else [])
+        for ax, scale in zip(axes[0], scales):
             x = [s * scale for s in steps]
             line, = ax.plot(x, mean, marker="o", ms=2, label=name)
             ax.fill_between(x, [min(v) for v in losses], [max(v) for v in losses],
@@ -299,7 +299,7 @@ def gpu_corpus():
 
 
 def bench(extra, log=print):
-    """(markdown, results) of the arms' bench: the written winners of --arms (default all four)
+    """(markdown, results) of the arms' bench: the written winners of --arms (default all five)
     on --seeds seeds (default 5; the GPU tier's 3), interleaved; every pair, the headline."""
     import torch
     import bench_common
